@@ -1,0 +1,1 @@
+"""Fallback entry point: ``python -m blockgen.lm_eval ...``."""

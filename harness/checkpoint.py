@@ -1,0 +1,122 @@
+"""Checkpoints in the Hugging Face layout: config.json, model.safetensors, tokenizer files.
+
+`model.safetensors` holds the weights used for evaluation (the EMA weights when training keeps an
+EMA). A resumable run also keeps `training_state.pt` (raw weights, optimizer, EMA, step, RNG).
+Every save writes into a temporary sibling directory and renames it into place, so a crash never
+leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockgen.harness.tokenizer import SpecialTokens, special_tokens
+from blockgen.models.model import BlockGen, BlockGenConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TRAINING_STATE = "training_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: BlockGen,
+    tokenizer=None,
+    training_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Atomically write a checkpoint directory (replacing any previous one).
+
+    `extra`: JSON metadata stored under config.json's "training" key (step, data, ...).
+    """
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = {"model_type": "blockgen", **model.config.to_dict(), "training": extra or {}}
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    if training_state is not None:
+        torch.save(training_state, tmp / TRAINING_STATE)
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def read_config(directory: str | Path) -> BlockGenConfig:
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a BlockGen checkpoint: {CONFIG} is missing")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON (truncated checkpoint?): {err}") from err
+    if raw.get("model_type") != "blockgen":
+        raise CheckpointError(f"{path} has model_type={raw.get('model_type')!r}, expected 'blockgen'")
+    return BlockGenConfig.from_dict(raw)  # "training" metadata (step, data) is informative only
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", load_tokenizer: bool = True):
+    """(model in eval mode, tokenizer or None) from a checkpoint directory."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    config = read_config(directory)
+    model = BlockGen(config)
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{directory} has no {WEIGHTS}")
+    try:
+        state = load_file(str(weights))
+    except Exception as err:  # safetensors raises its own error type on truncation
+        raise CheckpointError(f"{weights} could not be read (truncated or corrupt?): {err}") from err
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    mismatched = [k for k, v in state.items() if k in model.state_dict() and model.state_dict()[k].shape != v.shape]
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            f"{weights} does not match {CONFIG}: missing={missing[:5]} unexpected={unexpected[:5]} "
+            f"shape mismatches={mismatched[:5]}"
+        )
+    model.to(device).eval()
+    tokenizer = None
+    if load_tokenizer:
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    return model, tokenizer
+
+
+def checkpoint_special_tokens(model: BlockGen, tokenizer) -> SpecialTokens:
+    """The special ids recorded at training time, else those of the tokenizer."""
+    if model.config.special_tokens:
+        return SpecialTokens.from_dict(model.config.special_tokens)
+    return special_tokens(tokenizer)
+
+
+def checkpoint_hash(directory: str | Path) -> str:
+    """sha256 of the weights and config: identifies a checkpoint in results and caches."""
+    h = hashlib.sha256()
+    for name in (CONFIG, WEIGHTS):
+        with open(Path(directory) / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,200 @@
+"""Noise processes inside a block: the masked and the uniform prior (paper section 2, appendix E).
+
+Each prior is one small object with the same methods, so losses and samplers never branch on
+"masked or uniform":
+- `noise(x, alpha)`: draw z_t ~ Cat(alpha x + (1 - alpha) pi);
+- `prior_sample(shape)`: a fully noised block;
+- `denoiser_log_probs(logits, z_t)`: log x_hat over the real vocabulary (+ [MASK] column if any);
+- `posterior(z_t, x_probs, alpha_t, alpha_s)`: q(z_s | z_t, x) with x one-hot or a distribution
+  (plug-in: the learned reverse step uses the denoiser's distribution in place of x);
+- `nelbo(log_x_hat, x, z_t, t)`: the per-token NELBO integrand (positive);
+- `train_loss(...)`: masked: unweighted cross-entropy; uniform: the NELBO.
+
+Conventions: schedule alpha_t = 1 - (1 - eps) t (log-linear, eps = 1e-3), `d_alpha = -(1 - eps)`.
+Block size 1 is autoregression: the noisy token is fully noised (alpha = 0 exactly) and the loss is
+the exact cross-entropy, handled by the objectives, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LogLinearSchedule:
+    eps: float = 1e-3
+    t_min: float = 1e-3
+
+    def alpha(self, t: torch.Tensor) -> torch.Tensor:
+        return 1 - (1 - self.eps) * t
+
+    def d_alpha(self, t: torch.Tensor) -> torch.Tensor:
+        """d alpha_t / dt (negative)."""
+        return torch.full_like(t, -(1 - self.eps))
+
+    def t_from_uniform(self, u: torch.Tensor) -> torch.Tensor:
+        """Map u in [0, 1) to t in [t_min, 1]."""
+        return self.t_min + (1 - self.t_min) * u
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of `probs` (..., K), in float64: float32 Gumbel noise biases low-entropy draws."""
+    p = probs.double().clamp_min(0)
+    flat = p.reshape(-1, p.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+
+
+def _uniform_like(shape, low: int, high: int, device, generator) -> torch.Tensor:
+    return torch.randint(low, high, shape, device=device, generator=generator)
+
+
+@dataclass(frozen=True)
+class MaskedPrior:
+    """Absorbing prior: pi is the one-hot of a dedicated [MASK] id, placed after the real vocabulary."""
+
+    vocab_size: int  # real vocabulary; [MASK] = vocab_size
+    kind: Literal["masked"] = "masked"
+
+    @property
+    def mask_id(self) -> int:
+        return self.vocab_size
+
+    @property
+    def model_vocab_size(self) -> int:
+        return self.vocab_size + 1
+
+    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        keep = torch.rand(x.shape, device=x.device, generator=generator) < alpha
+        return torch.where(keep, x, torch.full_like(x, self.mask_id))
+
+    def prior_sample(self, shape, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+        return torch.full(shape, self.mask_id, dtype=torch.long, device=device)
+
+    def is_noise(self, z: torch.Tensor) -> torch.Tensor:
+        return z == self.mask_id
+
+    def denoiser_log_probs(self, logits: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+        """SUBS parameterisation: never predict [MASK]; visible tokens are carried over."""
+        logits = logits.float().clone()
+        logits[..., self.mask_id] = -torch.inf
+        log_p = logits.log_softmax(-1)
+        carry = F.one_hot(z_t, self.model_vocab_size).bool()
+        visible = (z_t != self.mask_id)[..., None]
+        return torch.where(visible, torch.where(carry, 0.0, -torch.inf), log_p)
+
+    def posterior(self, z_t: torch.Tensor, x_probs: torch.Tensor, alpha_t, alpha_s) -> torch.Tensor:
+        """eq. mdm-posterior: probabilities over the model alphabet (..., V + 1)."""
+        alpha_t = torch.as_tensor(alpha_t, dtype=torch.float64, device=z_t.device)
+        alpha_s = torch.as_tensor(alpha_s, dtype=torch.float64, device=z_t.device)
+        x = x_probs.double()
+        if x.shape[-1] == self.vocab_size:
+            x = F.pad(x, (0, 1))
+        z = F.one_hot(z_t, self.model_vocab_size).double()
+        a_t, a_s = _bcast(alpha_t, z), _bcast(alpha_s, z)
+        masked = ((a_s - a_t) / (1 - a_t)) * x + ((1 - a_s) / (1 - a_t)) * z
+        return torch.where((z_t == self.mask_id)[..., None], masked, z)
+
+    def nelbo(self, log_x_hat: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
+        """(d alpha/dt) / (1 - alpha_t) * log x_hat[x] on masked positions (>= 0)."""
+        alpha = schedule.alpha(t)
+        weight = schedule.d_alpha(t) / (1 - alpha)
+        log_px = log_x_hat.gather(-1, x[..., None])[..., 0]
+        return torch.where(self.is_noise(z_t), _bcast(weight, log_px) * log_px, torch.zeros_like(log_px))
+
+    def train_loss(self, log_x_hat, x, z_t, t, schedule) -> torch.Tensor:
+        """Unweighted cross-entropy; zero at visible positions by carry-over."""
+        log_px = log_x_hat.gather(-1, x[..., None])[..., 0]
+        return torch.where(self.is_noise(z_t), -log_px, torch.zeros_like(log_px))
+
+
+@dataclass(frozen=True)
+class UniformPrior:
+    """Uniform-state prior: pi = 1 / V over the real vocabulary; no [MASK] token."""
+
+    vocab_size: int
+    kind: Literal["uniform"] = "uniform"
+
+    @property
+    def mask_id(self) -> None:
+        return None
+
+    @property
+    def model_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        keep = torch.rand(x.shape, device=x.device, generator=generator) < alpha
+        return torch.where(keep, x, _uniform_like(x.shape, 0, self.vocab_size, x.device, generator))
+
+    def prior_sample(self, shape, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+        return _uniform_like(shape, 0, self.vocab_size, device, generator)
+
+    def is_noise(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(z, dtype=torch.bool)  # every position may have been resampled
+
+    def denoiser_log_probs(self, logits: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+        return logits.float().log_softmax(-1)
+
+    def posterior(self, z_t: torch.Tensor, x_probs: torch.Tensor, alpha_t, alpha_s) -> torch.Tensor:
+        """eq. usdm-posterior, with x one-hot or a distribution (plug-in), in float64."""
+        v = self.vocab_size
+        alpha_t = torch.as_tensor(alpha_t, dtype=torch.float64, device=z_t.device)
+        alpha_s = torch.as_tensor(alpha_s, dtype=torch.float64, device=z_t.device)
+        x = x_probs.double()
+        z = F.one_hot(z_t, v).double()
+        a_t, a_s = _bcast(alpha_t, z), _bcast(alpha_s, z)
+        a_ts = a_t / a_s
+        mu = v * a_t * z * x + (a_ts - a_t) * z + (a_s - a_t) * x + (1 - a_ts) * (1 - a_s) / v
+        norm = v * a_t * (z * x).sum(-1, keepdim=True) + 1 - a_t
+        return mu / norm
+
+    def nelbo(self, log_x_hat: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
+        """Per-token f_ELBO of eq. supp:duo-felbo with alpha' = d alpha/dt, times -1 (>= 0).
+
+        With xbar = V a x + (1 - a), xbar_theta = V a x_hat + (1 - a) and i = z_t:
+          f = (d alpha/dt) / (V a) * [V/xbar_i - V/xbar_theta_i - sum_r xbar_r/xbar_i log(xbar_theta_i xbar_r / (xbar_theta_r xbar_i))]
+        The sum is expanded so that only log xbar_theta needs the full vocabulary (xbar is two-valued).
+        Computed in float64: the small terms vanish in bf16.
+        """
+        v = self.vocab_size
+        a = _bcast(schedule.alpha(t).double(), log_x_hat[..., 0])
+        da = _bcast(schedule.d_alpha(t).double(), log_x_hat[..., 0])
+        x_hat = log_x_hat.double().exp()
+        log_xbar_theta = torch.log(v * a[..., None] * x_hat + (1 - a[..., None]))  # (..., V)
+        hit = z_t == x
+        hi, lo = v * a + 1 - a, 1 - a  # xbar at r == x and r != x
+        xbar_i = torch.where(hit, hi, lo)
+        log_xbar_theta_i = log_xbar_theta.gather(-1, z_t[..., None])[..., 0]
+        log_xbar_theta_x = log_xbar_theta.gather(-1, x[..., None])[..., 0]
+        # sum_r xbar_r log xbar_r and sum_r xbar_r log xbar_theta_r
+        s_xlogx = hi * torch.log(hi) + (v - 1) * lo * torch.log(lo)
+        s_xlogtheta = lo * log_xbar_theta.sum(-1) + v * a * log_xbar_theta_x
+        total = v  # sum_r xbar_r
+        sum_term = (total * (log_xbar_theta_i - torch.log(xbar_i)) + s_xlogx - s_xlogtheta) / xbar_i
+        bracket = v / xbar_i - v / log_xbar_theta_i.exp() - sum_term
+        return (da / (v * a) * bracket).float()
+
+    def train_loss(self, log_x_hat, x, z_t, t, schedule) -> torch.Tensor:
+        return self.nelbo(log_x_hat, x, z_t, t, schedule)
+
+
+Prior = MaskedPrior | UniformPrior
+PRIORS = {"masked": MaskedPrior, "uniform": UniformPrior}
+
+
+def make_prior(kind: str, vocab_size: int) -> Prior:
+    if kind not in PRIORS:
+        raise ValueError(f"unknown prior {kind!r}; choose one of {sorted(PRIORS)}")
+    return PRIORS[kind](vocab_size)
+
+
+def _bcast(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Right-pad the dims of a per-sequence (or scalar) tensor so it broadcasts against `like`."""
+    a = torch.as_tensor(a, device=like.device)
+    while a.dim() < like.dim():
+        a = a[..., None]
+    return a

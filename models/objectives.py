@@ -1,0 +1,161 @@
+"""Training objective and evaluation bounds of BlockGen (paper section 3, appendices C and E).
+
+- `BlockMixture`: block sizes and weights gamma; `stratified_block_sizes` is Algorithm 1.
+- `noisy_forward`: noise x -> z_t for one block size, run `[x0 ; z_t]`, return per-token losses.
+  Block size 1 is autoregression: z_t is fully noised and the loss is the exact cross-entropy.
+- `sequence_nll`: per-sequence NELBO (or exact NLL at block size 1) averaged over K_MC draws.
+- `lse_bound` / `jensen_bound`: eq. supp:valid-lse and the mixture (Jensen) bound, per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockgen.models.backbone import DiT
+from blockgen.models.diffusion import LogLinearSchedule, Prior
+
+
+@dataclass(frozen=True)
+class BlockMixture:
+    sizes: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.weights) or not self.sizes:
+            raise ValueError(f"need one weight per block size, got sizes={self.sizes} weights={self.weights}")
+        if any(s < 1 for s in self.sizes) or len(set(self.sizes)) != len(self.sizes):
+            raise ValueError(f"block sizes must be distinct positive integers, got {self.sizes}")
+        if any(w <= 0 for w in self.weights) or not math.isclose(sum(self.weights), 1.0, abs_tol=1e-6):
+            raise ValueError(f"weights must be positive and sum to 1, got {self.weights}")
+
+    @classmethod
+    def single(cls, size: int) -> "BlockMixture":
+        return cls((size,), (1.0,))
+
+    @property
+    def is_autoregressive(self) -> bool:
+        return self.sizes == (1,)
+
+    def check_divides(self, seq_len: int) -> None:
+        bad = [s for s in self.sizes if seq_len % s]
+        if bad:
+            raise ValueError(f"block sizes {bad} do not divide the sequence length {seq_len}")
+
+
+def stratified_indices(weights: torch.Tensor | tuple[float, ...], n_slots: int, u: float) -> list[int]:
+    """Algorithm 1: one mixture component per slot; slot d takes the bin containing (d/D + u) mod 1.
+
+    Each component i then gets floor(D gamma_i) or ceil(D gamma_i) slots, and every slot is
+    marginally distributed as Cat(gamma), so the gradient stays unbiased.
+    """
+    cum = torch.cumsum(torch.as_tensor(weights, dtype=torch.float64), 0)
+    cum[-1] = 1.0  # guard against rounding: every u~ in [0, 1) falls in a bin
+    shifted = [(d / n_slots + u) % 1.0 for d in range(n_slots)]
+    return [int(torch.searchsorted(cum, torch.tensor(v, dtype=torch.float64), right=True)) for v in shifted]
+
+
+def stratified_times(n: int, u: float, schedule: LogLinearSchedule, device="cpu") -> torch.Tensor:
+    """n evenly spaced, randomly shifted points in [0, 1), mapped to t in [t_min, 1]."""
+    grid = (torch.arange(n, dtype=torch.float64, device=device) / n + u) % 1.0
+    return schedule.t_from_uniform(grid).float()
+
+
+def noisy_forward(
+    model: DiT,
+    prior: Prior,
+    x: torch.Tensor,
+    block_size: int,
+    t: torch.Tensor,
+    schedule: LogLinearSchedule,
+    condition_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    objective: str = "train",
+) -> torch.Tensor:
+    """Per-token losses (B, L) for one block size.
+
+    `condition_mask` marks tokens that stay clean in the noisy stream (a prompt, e.g. the question of
+    a word problem), as they are at sampling time. `objective` is "train" (masked: unweighted CE;
+    uniform: NELBO) or "nelbo" (the evaluation bound). At block size 1 both are the exact AR NLL.
+    """
+    if block_size == 1:
+        t = torch.ones_like(t)
+        alpha = torch.zeros_like(t)  # exactly fully noised: the noisy token carries no information
+    else:
+        alpha = schedule.alpha(t)
+    z_t = prior.noise(x, alpha[:, None], generator=generator)
+    if condition_mask is not None:
+        z_t = torch.where(condition_mask, x, z_t)
+    logits = model.forward_train(x, z_t, block_size)
+    log_x_hat = prior.denoiser_log_probs(logits, z_t)
+    if block_size == 1:
+        loss = -log_x_hat.gather(-1, x[..., None])[..., 0]
+    elif objective == "train":
+        loss = prior.train_loss(log_x_hat, x, z_t, t, schedule)
+    elif objective == "nelbo":
+        loss = prior.nelbo(log_x_hat, x, z_t, t, schedule)
+    else:
+        raise ValueError(f"objective={objective!r}; choose 'train' or 'nelbo'")
+    if condition_mask is not None:
+        loss = loss.masked_fill(condition_mask, 0.0)
+    return loss
+
+
+@torch.no_grad()
+def sequence_nll(
+    model: DiT,
+    prior: Prior,
+    x: torch.Tensor,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    k_mc: int,
+    schedule: LogLinearSchedule,
+    condition_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """eq. supp:mc-nll: per-sequence NLL bound (B,), the NELBO averaged over K_MC draws of (t, z_t).
+
+    The K_MC times of one sequence are stratified over [t_min, 1]. Block size 1 is exact, so one
+    draw suffices. Summed over `loss_mask` positions (float64).
+    """
+    draws = 1 if block_size == 1 else k_mc
+    total = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+    u = torch.rand(x.shape[0], generator=generator, device=x.device)
+    for k in range(draws):
+        t = schedule.t_from_uniform((u + k / draws) % 1.0)
+        loss = noisy_forward(model, prior, x, block_size, t, schedule, condition_mask, generator, objective="nelbo")
+        total += (loss.double() * loss_mask).sum(-1)
+    return total / draws
+
+
+def lse_bound(nll: torch.Tensor, weights: tuple[float, ...] | torch.Tensor) -> torch.Tensor:
+    """eq. supp:valid-lse: -log sum_i gamma_i exp(-NLL_i) per sequence; `nll` is (M, B)."""
+    log_w = torch.log(torch.as_tensor(weights, dtype=torch.float64, device=nll.device))[:, None]
+    return -torch.logsumexp(log_w - nll.double(), dim=0)
+
+
+def jensen_bound(nll: torch.Tensor, weights: tuple[float, ...] | torch.Tensor) -> torch.Tensor:
+    """The mixture likelihood bound sum_i gamma_i NLL_i (looser; its gradient is what training uses)."""
+    w = torch.as_tensor(weights, dtype=torch.float64, device=nll.device)[:, None]
+    return (w * nll.double()).sum(0)
+
+
+@torch.no_grad()
+def mixture_nll(
+    model: DiT,
+    prior: Prior,
+    mixture: BlockMixture,
+    x: torch.Tensor,
+    loss_mask: torch.Tensor,
+    k_mc: int,
+    schedule: LogLinearSchedule,
+    condition_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp bound, Jensen bound) per sequence, each (B,), from every component's NELBO."""
+    per_size = torch.stack(
+        [sequence_nll(model, prior, x, loss_mask, s, k_mc, schedule, condition_mask, generator) for s in mixture.sizes]
+    )
+    return lse_bound(per_size, mixture.weights), jensen_bound(per_size, mixture.weights)
