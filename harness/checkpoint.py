@@ -89,13 +89,16 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", l
         state = load_file(str(weights))
     except Exception as err:  # safetensors raises its own error type on truncation
         raise CheckpointError(f"{weights} could not be read (truncated or corrupt?): {err}") from err
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    mismatched = [k for k, v in state.items() if k in model.state_dict() and model.state_dict()[k].shape != v.shape]
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    mismatched = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
     if missing or unexpected or mismatched:
         raise CheckpointError(
             f"{weights} does not match {CONFIG}: missing={missing[:5]} unexpected={unexpected[:5]} "
             f"shape mismatches={mismatched[:5]}"
         )
+    model.load_state_dict(state)
     model.to(device).eval()
     tokenizer = None
     if load_tokenizer:

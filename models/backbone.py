@@ -59,12 +59,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (B, H, N, D); positions: (B, N)."""
-        cos = self.cos[positions][:, None].to(x.dtype)
-        sin = self.sin[positions][:, None].to(x.dtype)
-        x1, x2 = x[..., ::2], x[..., 1::2]
-        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for (B, N) positions, shaped (B, 1, N, D) to rotate (B, H, N, D); once per forward."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding in the rotate-half form: pairs (i, i + D/2) turn by the same angle."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -114,10 +120,10 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x, rotary, positions, mask, cache: KVCache | None, layer: int, n_commit: int):
+    def forward(self, x, rotary, mask, cache: KVCache | None, layer: int, n_commit: int):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = rotate(q, rotary), rotate(k, rotary)
         if cache is not None:
             if layer < len(cache.keys):
                 k_all = torch.cat([cache.keys[layer], k], dim=2)
@@ -150,9 +156,9 @@ class DiTBlock(nn.Module):
         nn.init.zeros_(self.adaLN.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cond, rotary, positions, mask, cache, layer, n_commit):
+    def forward(self, x, cond, rotary, mask, cache, layer, n_commit):
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(cond)[:, None].chunk(6, dim=-1)
-        h = self.attn(modulate(self.norm1(x), shift1, scale1), rotary, positions, mask, cache, layer, n_commit)
+        h = self.attn(modulate(self.norm1(x), shift1, scale1), rotary, mask, cache, layer, n_commit)
         x = x + gate1 * self.dropout(h)
         h = self.mlp(modulate(self.norm2(x), shift2, scale2))
         return x + gate2 * self.dropout(h)
@@ -206,8 +212,9 @@ class DiT(nn.Module):
         # Time-unconditional: the conditioning vector is the embedding of t = 0 (a learned constant).
         cond = self.time(torch.zeros(tokens.shape[0], device=tokens.device))
         x = self.dropout(self.embed(tokens))
+        rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, cond, self.rotary, positions, mask, cache, i, n_commit)
+            x = block(x, cond, rotary, mask, cache, i, n_commit)
         return self.final(x[:, x.shape[1] - n_out :], cond).float()
 
     def forward_train(self, x0: torch.Tensor, xt: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -219,7 +226,7 @@ class DiT(nn.Module):
         else:
             mask = training_mask(seq_len, block_size, self.cfg.causal_clean, str(x0.device))
         tokens = torch.cat([x0, xt], dim=1)
-        return self._run(tokens, layout.positions.expand(x0.shape[0], -1), mask, None, 0, seq_len)
+        return self._run(tokens, layout.positions, mask, None, 0, seq_len)  # (1, 2L) positions broadcast
 
     def forward_cached(
         self,

@@ -7,12 +7,14 @@ Each prior is one small object with the same methods, so losses and samplers nev
 - `denoiser_log_probs(logits, z_t)`: log x_hat over the real vocabulary (+ [MASK] column if any);
 - `posterior(z_t, x_probs, alpha_t, alpha_s)`: q(z_s | z_t, x) with x one-hot or a distribution
   (plug-in: the learned reverse step uses the denoiser's distribution in place of x);
-- `nelbo(log_x_hat, x, z_t, t)`: the per-token NELBO integrand (positive);
+- `log_prob_clean(logits, x, z_t)`: log x_hat[x] per token (all that the masked losses need);
+- `nelbo(logits, x, z_t, t)`: the per-token NELBO integrand (positive);
 - `train_loss(...)`: masked: unweighted cross-entropy; uniform: the NELBO.
+The losses take raw logits (log-probabilities work too) so each prior computes only what it needs.
 
 Conventions: schedule alpha_t = 1 - (1 - eps) t (log-linear, eps = 1e-3), `d_alpha = -(1 - eps)`.
-Block size 1 is autoregression: the noisy token is fully noised (alpha = 0 exactly) and the loss is
-the exact cross-entropy, handled by the objectives, not here.
+Block size 1 is autoregression: the noisy stream is `fully_noised` (a fixed placeholder that carries
+no information about x) and the loss is the exact cross-entropy, handled by the objectives.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class MaskedPrior:
     def is_noise(self, z: torch.Tensor) -> torch.Tensor:
         return z == self.mask_id
 
+    def fully_noised(self, shape, device="cpu") -> torch.Tensor:
+        """The noisy stream at block size 1 (autoregression): every token is [MASK]."""
+        return torch.full(shape, self.mask_id, dtype=torch.long, device=device)
+
     def denoiser_log_probs(self, logits: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
         """SUBS parameterisation: never predict [MASK]; visible tokens are carried over."""
         logits = logits.float().clone()
@@ -98,17 +104,24 @@ class MaskedPrior:
         masked = ((a_s - a_t) / (1 - a_t)) * x + ((1 - a_s) / (1 - a_t)) * z
         return torch.where((z_t == self.mask_id)[..., None], masked, z)
 
-    def nelbo(self, log_x_hat: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
-        """(d alpha/dt) / (1 - alpha_t) * log x_hat[x] on masked positions (>= 0)."""
-        alpha = schedule.alpha(t)
-        weight = schedule.d_alpha(t) / (1 - alpha)
-        log_px = log_x_hat.gather(-1, x[..., None])[..., 0]
-        return torch.where(self.is_noise(z_t), _bcast(weight, log_px) * log_px, torch.zeros_like(log_px))
+    def log_prob_clean(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+        """log x_hat[x]: a softmax over the real vocabulary at [MASK]; 0 at visible positions (carry-over).
 
-    def train_loss(self, log_x_hat, x, z_t, t, schedule) -> torch.Tensor:
+        Computed as logit[x] - logsumexp(real logits), without materialising the distribution.
+        """
+        logits = logits.float()
+        log_px = logits.gather(-1, x[..., None])[..., 0] - logits[..., : self.vocab_size].logsumexp(-1)
+        return torch.where(self.is_noise(z_t), log_px, torch.zeros_like(log_px))
+
+    def nelbo(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
+        """(d alpha/dt) / (1 - alpha_t) * log x_hat[x] on masked positions (>= 0)."""
+        weight = schedule.d_alpha(t) / (1 - schedule.alpha(t))
+        log_px = self.log_prob_clean(logits, x, z_t)
+        return _bcast(weight, log_px) * log_px
+
+    def train_loss(self, logits, x, z_t, t, schedule) -> torch.Tensor:
         """Unweighted cross-entropy; zero at visible positions by carry-over."""
-        log_px = log_x_hat.gather(-1, x[..., None])[..., 0]
-        return torch.where(self.is_noise(z_t), -log_px, torch.zeros_like(log_px))
+        return -self.log_prob_clean(logits, x, z_t)
 
 
 @dataclass(frozen=True)
@@ -136,8 +149,20 @@ class UniformPrior:
     def is_noise(self, z: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(z, dtype=torch.bool)  # every position may have been resampled
 
+    def fully_noised(self, shape, device="cpu") -> torch.Tensor:
+        """The noisy stream at block size 1 (autoregression): one fixed token (id 0).
+
+        A uniform draw would carry no information about x either, but the network's output would
+        then depend on the draw; a fixed placeholder makes the AR likelihood exact and deterministic.
+        """
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
     def denoiser_log_probs(self, logits: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
         return logits.float().log_softmax(-1)
+
+    def log_prob_clean(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        return logits.gather(-1, x[..., None])[..., 0] - logits.logsumexp(-1)
 
     def posterior(self, z_t: torch.Tensor, x_probs: torch.Tensor, alpha_t, alpha_s) -> torch.Tensor:
         """eq. usdm-posterior, with x one-hot or a distribution (plug-in), in float64."""
@@ -152,7 +177,7 @@ class UniformPrior:
         norm = v * a_t * (z * x).sum(-1, keepdim=True) + 1 - a_t
         return mu / norm
 
-    def nelbo(self, log_x_hat: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
+    def nelbo(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
         """Per-token f_ELBO of eq. supp:duo-felbo with alpha' = d alpha/dt, times -1 (>= 0).
 
         With xbar = V a x + (1 - a), xbar_theta = V a x_hat + (1 - a) and i = z_t:
@@ -161,9 +186,10 @@ class UniformPrior:
         Computed in float64: the small terms vanish in bf16.
         """
         v = self.vocab_size
+        log_x_hat = logits.double().log_softmax(-1)
         a = _bcast(schedule.alpha(t).double(), log_x_hat[..., 0])
         da = _bcast(schedule.d_alpha(t).double(), log_x_hat[..., 0])
-        x_hat = log_x_hat.double().exp()
+        x_hat = log_x_hat.exp()
         log_xbar_theta = torch.log(v * a[..., None] * x_hat + (1 - a[..., None]))  # (..., V)
         hit = z_t == x
         hi, lo = v * a + 1 - a, 1 - a  # xbar at r == x and r != x
@@ -178,8 +204,8 @@ class UniformPrior:
         bracket = v / xbar_i - v / log_xbar_theta_i.exp() - sum_term
         return (da / (v * a) * bracket).float()
 
-    def train_loss(self, log_x_hat, x, z_t, t, schedule) -> torch.Tensor:
-        return self.nelbo(log_x_hat, x, z_t, t, schedule)
+    def train_loss(self, logits, x, z_t, t, schedule) -> torch.Tensor:
+        return self.nelbo(logits, x, z_t, t, schedule)
 
 
 Prior = MaskedPrior | UniformPrior

@@ -78,7 +78,7 @@ class BlockGen(nn.Module):
         self.mixture = config.mixture
         self.dit = DiT(config.backbone())
 
-    def loss(
+    def forward(
         self,
         x: torch.Tensor,
         loss_mask: torch.Tensor,
@@ -87,9 +87,14 @@ class BlockGen(nn.Module):
         condition_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of training losses over loss_mask, number of loss tokens) for one micro-batch."""
+        """The training loss: (sum over loss_mask, number of loss tokens) for one micro-batch.
+
+        It is `forward` so that DistributedDataParallel can wrap the model; `loss` is the same call.
+        """
         losses = noisy_forward(self.dit, self.prior, x, block_size, t, self.schedule, condition_mask, generator)
         return (losses * loss_mask).sum(), loss_mask.sum()
+
+    loss = forward
 
     @torch.no_grad()
     def nll_bounds(

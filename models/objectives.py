@@ -2,7 +2,7 @@
 
 - `BlockMixture`: block sizes and weights gamma; `stratified_block_sizes` is Algorithm 1.
 - `noisy_forward`: noise x -> z_t for one block size, run `[x0 ; z_t]`, return per-token losses.
-  Block size 1 is autoregression: z_t is fully noised and the loss is the exact cross-entropy.
+  Block size 1 is autoregression: z_t is `prior.fully_noised` and the loss is the exact cross-entropy.
 - `sequence_nll`: per-sequence NELBO (or exact NLL at block size 1) averaged over K_MC draws.
 - `lse_bound` / `jensen_bound`: eq. supp:valid-lse and the mixture (Jensen) bound, per sequence.
 """
@@ -80,22 +80,19 @@ def noisy_forward(
     a word problem), as they are at sampling time. `objective` is "train" (masked: unweighted CE;
     uniform: NELBO) or "nelbo" (the evaluation bound). At block size 1 both are the exact AR NLL.
     """
-    if block_size == 1:
-        t = torch.ones_like(t)
-        alpha = torch.zeros_like(t)  # exactly fully noised: the noisy token carries no information
+    if block_size == 1:  # fully noised: the noisy token carries no information about x
+        z_t = prior.fully_noised(x.shape, device=x.device)
     else:
-        alpha = schedule.alpha(t)
-    z_t = prior.noise(x, alpha[:, None], generator=generator)
+        z_t = prior.noise(x, schedule.alpha(t)[:, None], generator=generator)
     if condition_mask is not None:
         z_t = torch.where(condition_mask, x, z_t)
     logits = model.forward_train(x, z_t, block_size)
-    log_x_hat = prior.denoiser_log_probs(logits, z_t)
     if block_size == 1:
-        loss = -log_x_hat.gather(-1, x[..., None])[..., 0]
+        loss = -prior.log_prob_clean(logits, x, z_t)
     elif objective == "train":
-        loss = prior.train_loss(log_x_hat, x, z_t, t, schedule)
+        loss = prior.train_loss(logits, x, z_t, t, schedule)
     elif objective == "nelbo":
-        loss = prior.nelbo(log_x_hat, x, z_t, t, schedule)
+        loss = prior.nelbo(logits, x, z_t, t, schedule)
     else:
         raise ValueError(f"objective={objective!r}; choose 'train' or 'nelbo'")
     if condition_mask is not None:

@@ -1,0 +1,95 @@
+"""The `blockgen` command line. Options are generated from the typed config dataclasses.
+
+    blockgen train --preset gsm-masked-mix --out-dir runs/masked-mix --max-steps 2000
+    torchrun --nproc_per_node=2 -m blockgen.harness.cli train --preset ci --device cpu
+    blockgen demo                      # the embedded default: train the five demo models
+    blockgen presets                   # list presets and their settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Literal, get_args, get_origin
+
+from blockgen.harness.train import DEMO_PRESETS, PRESETS, TrainConfig, preset
+
+
+def _is_optional(tp) -> tuple[bool, Any]:
+    args = get_args(tp)
+    if type(None) in args and len(args) == 2:
+        return True, next(a for a in args if a is not type(None))
+    return False, tp
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One `--name` option per field (nested dataclasses as `--data.name`); defaults come from presets."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        flag = "--" + prefix + f.name.replace("_", "-")
+        if is_dataclass(tp):
+            add_dataclass_options(parser, tp, prefix=f"{prefix}{f.name}.")
+            continue
+        _, tp = _is_optional(tp)
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": argparse.SUPPRESS}
+        if get_origin(tp) is Literal:
+            kwargs.update(choices=list(get_args(tp)))
+        elif get_origin(tp) is tuple:
+            kwargs.update(nargs="+", type=get_args(tp)[0])
+        elif tp is bool:
+            kwargs.update(action=argparse.BooleanOptionalAction)
+        else:
+            kwargs.update(type=tp)
+        parser.add_argument(flag, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "preset")}
+    data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
+    base = preset(args.preset)
+    for key in ("block_sizes", "block_weights"):
+        if key in given:
+            given[key] = tuple(given[key])
+    return replace(base, **given, data=replace(base.data, **data_over))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_p = sub.add_parser("train", help="train (or resume) one model")
+    train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
+    add_dataclass_options(train_p, TrainConfig)
+    demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU")
+    demo_p.add_argument("--out-dir", default="runs/demo")
+    demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
+    demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
+    sub.add_parser("presets", help="list the training presets")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "presets":
+        for name, cfg in PRESETS.items():
+            print(name, json.dumps(cfg.to_dict()))
+        return 0
+    if args.command == "train":
+        from blockgen.harness.train import train
+
+        config = config_from_args(args)
+        print(f"checkpoint: {train(config)}")
+        return 0
+    if args.command == "demo":
+        from blockgen.harness.demo import run_demo
+
+        run_demo(args.out_dir, args.presets, args.max_steps)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Data: a text source -> tokenizer -> fixed-length examples with a loss mask.
+
+Sources (`DataConfig.source`):
+- "embedded": procedurally generated TinyGSM-style word problems (offline default) and a byte-level
+  BPE trained on them locally;
+- "tinygsm": the hub dataset TinyGSM/TinyGSM (fields `question`, `code`), or local JSON/JSONL
+  files of the same schema (`path`);
+- "owt": OpenWebText (`text`), documents joined with EOS and cut into `seq_len` chunks, the last
+  100k documents held out for validation; or local files of the same schema.
+
+Word problems become `[BOS] question SEP code [EOS] PAD...`: no loss on the question, which also
+stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+import torch
+
+from blockgen.harness.hub import hub_call
+from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
+
+SOURCES = ("embedded", "tinygsm", "owt")
+OWT_VALIDATION_DOCS = 100_000
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["embedded", "tinygsm", "owt"] = "embedded"
+    tokenizer: str = "embedded"  # "embedded" (train a BPE locally), a local directory or a hub name
+    path: str | None = None  # local JSON/JSONL files with the hub schema, instead of the hub
+    n_train: int = 50_000  # embedded: number of generated training problems
+    n_val: int = 256  # validation examples
+    vocab_size: int = 1024  # embedded BPE vocabulary
+    seed: int = 0
+    cache_dir: str = "runs/data"  # where the embedded tokenizer and data are kept
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown data source {self.source!r}; choose one of {list(SOURCES)}")
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Fixed-length examples: tokens (N, L) long; loss_mask and condition_mask (N, L) bool."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    condition_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, idx) -> "Examples":
+        return Examples(self.tokens[idx], self.loss_mask[idx], self.condition_mask[idx])
+
+
+def encode_problems(
+    records: Iterable[dict], tokenizer, special: SpecialTokens, seq_len: int
+) -> tuple[Examples, int]:
+    """TinyGSM records -> examples; returns (examples, number dropped for being longer than seq_len)."""
+    records = list(records)
+    questions = tokenizer([r["question"] for r in records], add_special_tokens=False)["input_ids"]
+    codes = tokenizer([r["code"] for r in records], add_special_tokens=False)["input_ids"]
+    rows, loss, cond, dropped = [], [], [], 0
+    for q, c in zip(questions, codes):
+        prompt = [special.bos, *q, *special.sep]
+        ids = prompt + c + [special.eos]
+        if len(ids) > seq_len:
+            dropped += 1
+            continue
+        pad = seq_len - len(ids)
+        rows.append(ids + [special.pad] * pad)
+        loss.append([False] * len(prompt) + [True] * (len(c) + 1) + [False] * pad)
+        cond.append([True] * len(prompt) + [False] * (seq_len - len(prompt)))
+    if not rows:
+        raise ValueError(f"no example fits in seq_len={seq_len}")
+    as_tensor = torch.tensor
+    return Examples(as_tensor(rows), as_tensor(loss), as_tensor(cond)), dropped
+
+
+def encode_prompt(question: str, tokenizer, special: SpecialTokens) -> list[int]:
+    """The prompt a word-problem model continues at sampling time: `[BOS] question SEP`."""
+    return [special.bos, *tokenizer.encode(question, add_special_tokens=False), *special.sep]
+
+
+def chunk_documents(texts: Iterable[str], tokenizer, special: SpecialTokens, seq_len: int) -> Examples:
+    """OWT layout: documents joined with EOS and cut into seq_len chunks (the remainder dropped)."""
+    stream: list[int] = []
+    for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        stream.extend(ids)
+        stream.append(special.eos)
+    n = len(stream) // seq_len
+    if n == 0:
+        raise ValueError(f"the documents hold {len(stream)} tokens, fewer than seq_len={seq_len}")
+    tokens = torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+    ones = torch.ones_like(tokens, dtype=torch.bool)
+    return Examples(tokens, ones, ~ones)
+
+
+def embedded_tokenizer(config: DataConfig):
+    """The BPE trained on the embedded training problems, cached under cache_dir."""
+    from transformers import PreTrainedTokenizerFast
+
+    from blockgen.harness.wordproblems import generate
+
+    directory = Path(config.cache_dir) / f"tokenizer-v{config.vocab_size}-s{config.seed}"
+    if (directory / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    problems = generate("train", min(config.n_train, 20_000), seed=config.seed)
+    texts = [p.question for p in problems] + [p.code for p in problems]
+    return train_bpe(texts, config.vocab_size, directory)
+
+
+def get_tokenizer(config: DataConfig):
+    if config.tokenizer == "embedded":
+        return embedded_tokenizer(config)
+    return load_tokenizer(config.tokenizer)
+
+
+def _hub_or_local(name: str, config: DataConfig, split: str | None = None, **kwargs):
+    from datasets import load_dataset
+
+    if config.path is not None:
+        files = sorted(glob.glob(config.path)) or [config.path]  # a file, or a pattern like "dir/*.jsonl"
+        return load_dataset("json", data_files=files, split="train")
+    return hub_call(lambda: load_dataset(name, split=split, **kwargs), f"dataset {name}")
+
+
+def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples, Examples, dict]:
+    """(train, validation, info) for a data config."""
+    special = special_tokens(tokenizer)
+    if config.source == "embedded":
+        from blockgen.harness.wordproblems import generate, to_records
+
+        train, dropped = encode_problems(to_records(generate("train", config.n_train, config.seed)), tokenizer, special, seq_len)
+        val, _ = encode_problems(to_records(generate("validation", config.n_val, config.seed)), tokenizer, special, seq_len)
+        info = {"dropped_too_long": dropped}
+    elif config.source == "tinygsm":
+        data = _hub_or_local("TinyGSM/TinyGSM", config, split="train")
+        n_val = min(config.n_val, len(data) // 10)
+        records = [{"question": r["question"], "code": r["code"]} for r in data]
+        train, dropped = encode_problems(records[: len(records) - n_val], tokenizer, special, seq_len)
+        val, _ = encode_problems(records[len(records) - n_val :], tokenizer, special, seq_len)
+        info = {"dropped_too_long": dropped}
+    else:
+        data = _hub_or_local("Skylion007/openwebtext", config, split="train")
+        texts = data["text"]
+        held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10) if config.path else OWT_VALIDATION_DOCS
+        train = chunk_documents(texts[: len(texts) - held_out], tokenizer, special, seq_len)
+        val = chunk_documents(texts[len(texts) - held_out :], tokenizer, special, seq_len)[: config.n_val]
+        info = {"validation_documents": held_out}
+    info.update(train_examples=len(train), validation_examples=len(val), source=config.source)
+    return train, val, info
+
+
+def write_jsonl(records: Iterable[dict], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

@@ -1,0 +1,152 @@
+"""Training end to end on the embedded data: learning, resuming, checkpoints, torchrun, data sources."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from blockgen.harness.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
+from blockgen.harness.data import DataConfig, get_tokenizer, load_examples
+from blockgen.harness.train import preset, train
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def ci_config(tmp: Path, name: str, **overrides):
+    data = DataConfig(n_train=2000, n_val=32, vocab_size=512, cache_dir=str(tmp.parent / "data-cache"))
+    return preset("ci", out_dir=str(tmp / name), data=data, **overrides)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train")
+
+
+def unigram_entropy(config) -> float:
+    """Entropy (nats) of the answer tokens' unigram distribution: what a context-free model achieves."""
+    tok = get_tokenizer(config.data)
+    train_set, _, _ = load_examples(config.data, tok, config.seq_len)
+    counts = torch.bincount(train_set.tokens[train_set.loss_mask], minlength=len(tok)).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def test_short_run_learns_far_below_unigram_entropy(workdir):
+    config = ci_config(workdir, "learn", block_sizes=(1,), block_weights=(1.0,), max_steps=150, lr=3e-3, eval_every=150, save_every=150, batch_size=32)
+    train(config, progress=False)
+    records = [json.loads(line) for line in (workdir / "learn" / "metrics.jsonl").read_text().splitlines()]
+    val = records[-1]["val_nll_lse"]
+    entropy = unigram_entropy(config)
+    assert val < 0.6 * entropy, f"validation NLL {val:.3f} nats/token vs unigram entropy {entropy:.3f}"
+
+
+def test_resume_continues_exactly(workdir):
+    """20 + 20 steps with a restart in between give the same weights as 40 straight steps."""
+    straight = ci_config(workdir, "straight", max_steps=40)
+    train(straight, progress=False)
+    resumed = ci_config(workdir, "resumed", max_steps=20)
+    train(resumed, progress=False)
+    with pytest.raises(ValueError, match=r"different \['lr'\]"):
+        train(replace(resumed, max_steps=40, lr=1.0), progress=False)
+    train(replace(resumed, max_steps=40), progress=False)  # extending the budget resumes
+    a = load_file(str(workdir / "straight" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(workdir / "resumed" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_checkpoint_errors_are_clear(workdir, tmp_path):
+    config = ci_config(workdir, "ckpt", max_steps=2, eval_every=2, save_every=2)
+    ckpt = train(config, progress=False)
+    model, tok = load_checkpoint(ckpt)
+    assert read_config(ckpt).block_sizes == (1, 4) and tok is not None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+    broken = tmp_path / "truncated"
+    save_checkpoint(broken, model, tok)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(broken)
+    mismatched = tmp_path / "mismatched"
+    save_checkpoint(mismatched, model, tok)
+    cfg = json.loads((mismatched / "config.json").read_text())
+    cfg["d_model"] = 2 * cfg["d_model"]
+    (mismatched / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_checkpoint(mismatched)
+    (mismatched / "config.json").write_text("{\"model_type\": \"blockgen\", \"vocab")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(mismatched)
+
+
+def test_cli_trains_and_torchrun_two_processes(workdir):
+    """`blockgen train` through torchrun with 2 CPU processes (gloo): one block size per rank (Algorithm 1)."""
+    out = workdir / "ddp"
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", "-m", "blockgen.harness.cli",
+        "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--eval-every", "6", "--save-every", "6",
+        "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    # gamma = (0.5, 0.5) over 2 slots: each step one rank trains L' = 1 and the other L' = 4
+    assert all(sorted(r["block_sizes"]) == [1, 4] for r in records)
+    assert math.isfinite(records[-1]["val_nll_lse"])
+    model, _ = load_checkpoint(out / "checkpoint")
+    assert model.config.block_sizes == (1, 4)
+
+
+def test_local_files_with_hub_schema(tmp_path):
+    """The hub loaders read local JSON files of the same schema (TinyGSM: question/code; OWT: text)."""
+    from blockgen.harness.wordproblems import generate, to_records
+
+    tiny = tmp_path / "tinygsm.jsonl"
+    tiny.write_text("\n".join(json.dumps({"question": r["question"], "code": r["code"]}) for r in to_records(generate("train", 300))))
+    owt = tmp_path / "owt.jsonl"
+    owt.write_text("\n".join(json.dumps({"text": f"Document {i}. " + "words and more words " * 20}) for i in range(200)))
+    tok = get_tokenizer(DataConfig(vocab_size=512, n_train=2000, cache_dir=str(tmp_path / "cache")))
+    train_set, val, info = load_examples(DataConfig(source="tinygsm", path=str(tiny), n_val=20), tok, 160)
+    assert info["train_examples"] + info["dropped_too_long"] == 280 and len(val) <= 20
+    assert not (train_set.loss_mask & train_set.condition_mask).any()
+    train_set, val, info = load_examples(DataConfig(source="owt", path=str(owt), n_val=4), tok, 64)
+    assert info["validation_documents"] == 20 and train_set.loss_mask.all() and len(val) == 4
+
+
+def test_unreachable_hub_fails_loudly(tmp_path):
+    code = (
+        "from blockgen.harness.data import DataConfig, load_examples\n"
+        "from blockgen.harness.tokenizer import load_tokenizer, train_bpe\n"
+        "tok = train_bpe(['some text'] * 10, 300)\n"
+        "for call in (lambda: load_tokenizer('gpt2'), lambda: load_examples(DataConfig(source='owt'), tok, 1024)):\n"
+        "    try:\n        call()\n    except Exception as e:\n        print(type(e).__name__, '|', str(e).replace(chr(10), ' '))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=env).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith("HubUnavailableError") and "make demo" in line
+
+
+def test_bad_configs_name_the_choices():
+    with pytest.raises(ValueError, match="choose one of"):
+        preset("no-such-preset")
+    with pytest.raises(ValueError, match="choose one of"):
+        DataConfig(source="wikipedia")
+    with pytest.raises(ValueError, match="choose one of"):
+        preset("ci", size="huge")
