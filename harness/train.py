@@ -106,12 +106,26 @@ def _mixture(name_sizes, weights) -> dict:
 
 
 # The embedded default's models (paper: gamma_1 = 0.05, gamma_16 = 0.95 for the ARPC mixtures).
+# Step counts fit the five demo models into about 40 CPU minutes on 2 cores (see README); validation
+# runs once, at the end, on 128 held-out problems with K_MC = 8.
+_DEMO = dict(eval_every=10**9, save_every=100, data=DataConfig(n_val=128))
 PRESETS: dict[str, TrainConfig] = {
-    "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=600),
-    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=600),
-    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=600),
-    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=600),
-    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=600),
+    "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=500, **_DEMO),
+    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=550, **_DEMO),
+    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=550, **_DEMO),
+    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=550, **_DEMO),
+    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=550, **_DEMO),
+    # The paper's scale (GPU machines with the hub): TinyGSM with the SmolLM tokenizer, and OWT.
+    "tinygsm-paper": TrainConfig(
+        prior="masked", **_mixture((1, 16), (0.05, 0.95)), size="paper", seq_len=512, batch_size=512, lr=3e-4,
+        warmup_steps=2500, max_steps=250_000, ema_decay=0.9999, precision="bf16", eval_every=10_000, save_every=5_000,
+        data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000),
+    ),
+    "owt-paper": TrainConfig(
+        prior="masked", **_mixture((1, 4, 16), (0.05, 0.25, 0.7)), size="paper", seq_len=1024, batch_size=512, lr=3e-4,
+        warmup_steps=2500, max_steps=1_000_000, ema_decay=0.9999, precision="bf16", eval_every=10_000, save_every=5_000,
+        data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000),
+    ),
     # CI: seconds, not minutes.
     "ci": TrainConfig(
         prior="masked", **_mixture((1, 4), (0.5, 0.5)), size="micro", batch_size=16, max_steps=40, warmup_steps=5,
