@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--out-dir", default="runs/demo")
     demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
     demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
+    demo_p.add_argument("--problems", type=int, default=200, help="held-out test problems per model")
     sub.add_parser("presets", help="list the training presets")
     return parser
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from blockgen.harness.demo import run_demo
 
-        run_demo(args.out_dir, args.presets, args.max_steps)
+        run_demo(args.out_dir, args.presets, args.max_steps, args.problems)
         return 0
     return 2
 

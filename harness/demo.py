@@ -12,7 +12,36 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from blockgen.harness.checkpoint import load_checkpoint
 from blockgen.harness.train import preset, train
+from blockgen.harness.wordproblem_eval import embedded_test_problems, evaluate_problems
+from blockgen.models.sampling import SamplerConfig
+
+# Low temperature matters for tiny diffusion models (../shared/REFERENCE.md calibration); NFE per
+# block is about 8 for every diffusion sampler: ARPC (6, GE 3) makes 6 + 1 + 1 calls by appendix D.
+DIFFUSION_SAMPLERS = (
+    SamplerConfig("ancestral", steps=8, temperature=0.1),
+    SamplerConfig("eipc", steps=8, ge=2, temperature=0.1),
+)
+MIXTURE_SAMPLERS = (
+    SamplerConfig("ancestral", steps=8, temperature=0.1),
+    SamplerConfig("arpc", steps=6, ge=3, temperature=0.1),
+    SamplerConfig("ar_greedy"),
+)
+AR_SAMPLERS = (SamplerConfig("ar_greedy"),)
+
+
+def samplers_for(block_sizes: tuple[int, ...]) -> tuple[SamplerConfig, ...]:
+    if block_sizes == (1,):
+        return AR_SAMPLERS
+    return MIXTURE_SAMPLERS if 1 in block_sizes else DIFFUSION_SAMPLERS
+
+
+def sampler_label(s: SamplerConfig) -> str:
+    if s.name.startswith("ar_"):
+        return s.name
+    extra = f",GE{s.ge}" if s.name in ("eipc", "arpc") else ""
+    return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 
 def last_validation(metrics_path: Path) -> dict:
@@ -25,7 +54,7 @@ def last_validation(metrics_path: Path) -> dict:
     return found
 
 
-def run_demo(out_dir: str, presets: list[str], max_steps: int | None = None) -> dict:
+def run_demo(out_dir: str, presets: list[str], max_steps: int | None = None, n_problems: int = 200) -> dict:
     out = Path(out_dir)
     summary: dict[str, dict] = {}
     for name in presets:
@@ -45,10 +74,24 @@ def run_demo(out_dir: str, presets: list[str], max_steps: int | None = None) -> 
             "train_seconds": round(time.perf_counter() - start, 1),
             "val_nll_per_token_lse": val.get("val_nll_lse"),
             "val_nll_per_token_jensen": val.get("val_nll_jensen"),
+            "accuracy": evaluate_checkpoint(checkpoint, n_problems),
         }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(summary)
     return summary
+
+
+def evaluate_checkpoint(checkpoint: Path, n_problems: int) -> dict[str, dict]:
+    """Accuracy of each sampler that fits the model on generated held-out test problems."""
+    model, tokenizer = load_checkpoint(checkpoint)
+    problems = embedded_test_problems(tokenizer, model.config.seq_len, n_problems)
+    reports = {}
+    for sampler in samplers_for(model.config.block_sizes):
+        report = evaluate_problems(model, tokenizer, problems, sampler)
+        reports[sampler_label(sampler)] = report.to_dict()
+        print(f"  {sampler_label(sampler):<28} accuracy {report.accuracy:.1%} ({report.correct}/{report.n}), "
+              f"model calls/block {report.model_calls_per_block:.2f} (paper NFE label {report.paper_nfe_per_block})")
+    return reports
 
 
 def print_table(summary: dict[str, dict]) -> None:
@@ -61,3 +104,5 @@ def print_table(summary: dict[str, dict]) -> None:
             f"{name:<18} {row['prior']:<8} {sizes:<12} {row['steps']:>6} {row['train_seconds']:>8} "
             f"{row['val_nll_per_token_lse']:>18.4f} {row['val_nll_per_token_jensen']:>9.4f}"
         )
+        for label, report in row["accuracy"].items():
+            print(f"{'':<18}   {label:<30} accuracy {report['accuracy']:6.1%}  calls/block {report['model_calls_per_block']:.2f}")

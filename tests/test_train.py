@@ -150,3 +150,31 @@ def test_bad_configs_name_the_choices():
         DataConfig(source="wikipedia")
     with pytest.raises(ValueError, match="choose one of"):
         preset("ci", size="huge")
+
+
+def test_scoring_accepts_reference_programs_and_rejects_others():
+    from blockgen.harness.wordproblem_eval import Problem, score_completions
+    from blockgen.harness.wordproblems import generate
+
+    problems = generate("test", 12, seed=3)
+    targets = [Problem(p.question, p.answer) for p in problems]
+    correct, outcomes = score_completions([p.code + "\n<|eos|> trailing text" for p in problems], targets)
+    assert correct == 12 and outcomes == {"ok": 12}
+    wrong = [p.code.replace("return result", "return result + 1") for p in problems]
+    assert score_completions(wrong, targets)[0] == 0
+    printed = [p.code.replace("return result", "print(result)") for p in problems]
+    assert score_completions(printed, targets)[0] == 0  # printing the answer is not returning it
+
+
+def test_demo_command_end_to_end(tmp_path):
+    """`blockgen demo` (the README's main job) on the CI preset: trains, evaluates, writes a summary."""
+    out = tmp_path / "demo"
+    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci", "--max-steps", "4", "--problems", "8"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    row = summary["ci"]
+    assert row["steps"] == 4 and math.isfinite(row["val_nll_per_token_lse"])
+    assert set(row["accuracy"]) == {"ancestral(N8,T0.1)", "arpc(N6,GE3,T0.1)", "ar_greedy"}
+    assert all(r["n"] == 8 for r in row["accuracy"].values())
+    assert "accuracy" in result.stdout
