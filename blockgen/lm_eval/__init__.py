@@ -1,1 +1,80 @@
-"""Fallback entry point: ``python -m blockgen.lm_eval ...``."""
+"""This project inside lm-eval: the ``blockgen`` model and the task folder, and lm-eval's CLI with them.
+
+lm-eval 0.4.13 has no plugin discovery. The start-up hook (``blockgen/_lm_eval_hook.py``) calls
+`register_model` and `add_task_dir` as soon as lm-eval imports the modules they change, so the
+plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks.
+
+``python -m blockgen.lm_eval ...`` (or ``torchrun -m blockgen.lm_eval ...``) takes exactly
+``lm_eval``'s arguments and registers directly, so it works without the hook too (``python -S``,
+``BLOCKGEN_LM_EVAL_HOOK=0``, a site-packages that Python does not scan for .pth files).
+"""
+
+import functools
+import inspect
+from pathlib import Path
+
+MODEL_NAME = "blockgen"
+ADAPTER = "blockgen.harness.lm_eval_adapter:BlockGenLM"
+TASKS_PACKAGE = "blockgen.tasks"
+
+
+def register_model(registry) -> None:
+    """Register the adapter in `lm_eval.api.registry`, lazily: torch loads only when the model is used."""
+    # lm-eval's own models first: get_model() adds them only while the registry is empty, so an
+    # entry of ours alone would hide hf, vllm, ...
+    import lm_eval.models  # noqa: F401
+
+    if MODEL_NAME not in registry.model_registry:
+        registry.model_registry.register(MODEL_NAME, target=ADAPTER)
+
+
+def tasks_dir() -> Path:
+    from importlib.util import find_spec
+
+    spec = find_spec(TASKS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{TASKS_PACKAGE} is not installed")
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+def add_task_dir(manager) -> None:
+    """Make every `lm_eval.tasks.manager.TaskManager` that indexes lm-eval's own tasks index ours too.
+
+    Our folder goes right after lm-eval's and before any ``--include_path``, so a user's own task
+    of the same name still wins. With ``include_defaults=False`` nothing is added.
+    """
+    cls = manager.TaskManager
+    if getattr(cls.__init__, "_blockgen_tasks", False):
+        return
+    original = cls.__init__
+    signature = inspect.signature(original)
+    ours = tasks_dir()
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("include_defaults", True):
+            given = bound.arguments.get("include_path")
+            paths = list(given) if isinstance(given, (list, tuple)) else [] if given is None else [given]
+            if all(Path(p).resolve() != ours for p in paths):
+                bound.arguments["include_path"] = [str(ours), *paths]
+        original(*bound.args, **bound.kwargs)
+
+    __init__._blockgen_tasks = True
+    cls.__init__ = __init__
+
+
+def register() -> None:
+    """Register the model and the task folder now (idempotent; errors are raised, not warned)."""
+    import lm_eval.api.registry
+    import lm_eval.tasks.manager
+
+    register_model(lm_eval.api.registry)
+    add_task_dir(lm_eval.tasks.manager)
+
+
+def main() -> None:
+    register()
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

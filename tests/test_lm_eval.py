@@ -1,0 +1,368 @@
+"""The lm-eval model type `blockgen`: the math of its likelihoods, and the real `lm_eval` command.
+
+Tiny checkpoints are trained here for a few dozen steps on `blockgen_toy` text (no hub, no GPU).
+The end-to-end runs go through the unmodified `lm_eval` command (found via the start-up hook),
+`torchrun -m lm_eval` (two CPU ranks over gloo) and `python -m blockgen.lm_eval`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockgen.harness.checkpoint import checkpoint_hash, load_checkpoint, save_checkpoint
+from blockgen.harness.tokenizer import special_tokens, train_bpe
+from blockgen.models.model import BlockGen, BlockGenConfig
+from blockgen.tasks.blockgen_toy import training_text
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "OMP_NUM_THREADS": "1"}
+TASKS = "blockgen_toy_cloze,blockgen_toy_ppl,blockgen_toy_gen"
+SEQ_LEN = 64
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Tiny models on a shared 2-core machine: extra threads only contend (one thread is ~10x faster)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with _one_thread():
+        yield
+
+
+def _train(out: Path, tok, block_sizes, block_weights, steps: int, seed: int) -> Path:
+    torch.manual_seed(seed)
+    special = special_tokens(tok)
+    config = BlockGenConfig(vocab_size=len(tok), seq_len=SEQ_LEN, prior="masked", block_sizes=block_sizes,
+                            block_weights=block_weights, n_layers=2, d_model=32, n_heads=4, cond_dim=16,
+                            dropout=0.0, special_tokens=special.to_dict())
+    model = BlockGen(config)
+    # Whole documents packed into rows that start at position 0, as the adapter scores them.
+    rows, row = [], []
+    for line in training_text(400, seed=seed):
+        ids = [special.bos, *tok.encode(line, add_special_tokens=False), special.eos]
+        if len(row) + len(ids) > SEQ_LEN:
+            rows.append(row + [special.pad] * (SEQ_LEN - len(row)))
+            row = []
+        row += ids
+    data = torch.tensor(rows)
+    mask = (data != special.pad).float()
+    n = len(rows)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        pick = torch.randint(0, n, (8,), generator=gen)
+        size = block_sizes[int(torch.multinomial(torch.tensor(block_weights), 1, generator=gen))]
+        t = model.schedule.t_from_uniform(torch.rand(8, generator=gen))
+        total, count = model.loss(data[pick], mask[pick], size, t, generator=gen)
+        opt.zero_grad()
+        (total / count).backward()
+        opt.step()
+    model.eval()
+    return save_checkpoint(out, model, tok)
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lm_eval_ckpts")
+    tok = train_bpe(training_text(400), vocab_size=400)  # whole words: the toy vocabulary is small
+    with _one_thread():
+        return {
+            "mixture": _train(root / "mixture", tok, (1, 8), (0.2, 0.8), steps=60, seed=0),
+            "ar": _train(root / "ar", tok, (1,), (1.0,), steps=40, seed=1),
+        }
+
+
+def _lm(path: Path, **kwargs):
+    from lm_eval.api.registry import get_model
+
+    return get_model("blockgen")(pretrained=str(path), device="cpu", **kwargs)
+
+
+def _requests(kind: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+# ------------------------------------------------------------------------------ the math
+
+
+def test_windows_score_each_target_token_once():
+    from blockgen.harness.lm_eval_adapter import windows
+
+    context, target = [100, 101, 102], list(range(150))
+    ws = windows(context, target, 64)
+    assert all(len(w.tokens) <= 64 and w.n_context >= 1 for w in ws)
+    assert [t for w in ws for t in w.tokens[w.n_context :]] == target
+    short = windows(list(range(80)), [7, 8], 64)  # long context: left-truncated, target kept whole
+    assert short == [(tuple(range(18, 80)) + (7, 8), 62)]
+
+
+def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
+    """One window scored by the adapter == BlockGen.nll_bounds on it, from the same seed; LSE >= Jensen."""
+    from blockgen.harness.lm_eval_adapter import Window, score_windows
+
+    model, tok = load_checkpoint(ckpts["mixture"])
+    ids = [special_tokens(tok).bos, *tok.encode("the red cat sees the ball . two plus one is three", add_special_tokens=False)]
+    window = Window(tuple(ids), 4)
+    (score,) = score_windows(model, [window], [1234], k_mc=4, pad_id=special_tokens(tok).pad)
+
+    x = torch.full((1, -(-len(ids) // 8) * 8), special_tokens(tok).pad)  # whole blocks of 8, as the adapter pads
+    x[0, : len(ids)] = torch.tensor(ids)
+    scored = torch.zeros_like(x, dtype=torch.bool)
+    scored[0, 4 : len(ids)] = True
+    condition = torch.zeros_like(scored)
+    condition[0, :4] = True
+    lse, jensen = model.nll_bounds(x, scored, 4, condition, torch.Generator().manual_seed(1234))
+    assert score.lse == pytest.approx(lse.item(), rel=1e-6)
+    assert score.jensen == pytest.approx(jensen.item(), rel=1e-6)
+    assert -score.lse >= -score.jensen  # logLik_LSE >= logLik_Jensen
+    assert score.lse > 0
+
+
+def test_score_does_not_depend_on_batch(ckpts):
+    from blockgen.harness.lm_eval_adapter import Window, score_windows
+
+    model, tok = load_checkpoint(ckpts["mixture"])
+    texts = ["the old fox likes the box .", "one plus four is five", "the quiet mouse finds the stone . the dog"]
+    batch = [Window(tuple(tok.encode(t, add_special_tokens=False)), 2) for t in texts]
+    together = score_windows(model, batch, [1, 2, 3], k_mc=3, pad_id=0)
+    alone = [score_windows(model, [w], [s], k_mc=3, pad_id=0)[0] for w, s in zip(batch, [1, 2, 3])]
+    for a, b in zip(together, alone):
+        assert a.lse == pytest.approx(b.lse, rel=1e-5)
+        assert a.greedy == b.greedy
+
+
+def test_ar_checkpoint_is_exact_and_seed_free(ckpts):
+    """block_sizes == (1,): loglikelihood is the exact AR log-likelihood, whatever the seed or K_MC."""
+    model, tok = load_checkpoint(ckpts["ar"])
+    special = special_tokens(tok)
+    context, continuation = "the green horse chases the", " river ."
+    ctx = [special.bos, *tok.encode(context, add_special_tokens=False)]
+    cont = tok.encode(context + continuation, add_special_tokens=False)[len(ctx) - 1 :]
+    x = torch.tensor([ctx + cont])
+    with torch.no_grad():  # the AR likelihood straight from the network: every noisy token fully noised
+        logits = model.dit.forward_train(x, model.prior.fully_noised(x.shape), 1)
+        log_p = logits[..., : model.prior.vocab_size].log_softmax(-1)[0]
+    exact = sum(log_p[p, x[0, p]].item() for p in range(len(ctx), x.shape[1]))
+
+    results = [_lm(ckpts["ar"], seed=seed, k_mc=k).loglikelihood(_requests("loglikelihood", [(context, continuation)]))[0]
+               for seed, k in ((0, 8), (7, 2))]
+    assert results[0][0] == pytest.approx(exact, abs=1e-4)
+    assert results[0] == results[1]
+
+
+def test_bad_model_args_name_the_choices(ckpts, tmp_path):
+    from lm_eval.api.registry import get_model
+
+    from blockgen.harness.checkpoint import CheckpointError
+
+    cls = get_model("blockgen")
+    cases = {
+        "sampler=bogus": "choose one of ['ancestral', 'eipc', 'arpc', 'ar_greedy', 'ar_sample']",
+        "block_size=4": "choose one of [1, 8]",
+        "steps=0": "steps=0; must be an integer >= 1",
+        "k_mc=0": "k_mc=0; must be an integer >= 1",
+        "temperatur=0.5": "valid: [",
+        "sampler=arpc,warmup=8,steps=8": "choose warmup in 0..7",
+    }
+    for extra, message in cases.items():
+        with pytest.raises(ValueError) as err:
+            cls.create_from_arg_string(f"pretrained={ckpts['mixture']},{extra}", {"device": "cpu"})
+        assert message in str(err.value), (extra, str(err.value))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        cls.create_from_arg_string(f"pretrained={tmp_path / 'missing'}", {"device": "cpu"})
+    with pytest.raises(ValueError, match="'arpc' needs a block size > 1"):
+        cls.create_from_arg_string(f"pretrained={ckpts['ar']},sampler=arpc", {"device": "cpu"})
+    with pytest.raises(ValueError, match="'auto' is not supported"):
+        cls.create_from_arg_string(f"pretrained={ckpts['mixture']}", {"device": "cpu", "batch_size": "auto"})
+
+
+def test_generation_override_and_stop_strings(ckpts):
+    lm = _lm(ckpts["mixture"], sampler="ancestral", steps=2)
+    gen = {"until": ["."], "max_gen_toks": 16, "sampler": "eipc", "steps": 4}
+    args = [("the red cat sees the", gen), ("one plus two is", {"until": ["\n"], "max_gen_toks": 8})]
+    first = lm.generate_until(_requests("generate_until", args))
+    assert "." not in first[0]
+    assert first == lm.generate_until(_requests("generate_until", args[::-1]))[::-1]  # order-free
+    with pytest.raises(ValueError, match="choose one of"):
+        lm.generate_until(_requests("generate_until", [("x", {"sampler": "nope"})]))
+
+
+def test_use_cache_is_keyed_by_checkpoint(ckpts, tmp_path):
+    """Two checkpoints sharing one --use_cache file never read each other's answers."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from blockgen.lm_eval import tasks_dir
+
+    tasks = TaskManager(include_path=tasks_dir(), include_defaults=False)  # skips indexing lm-eval's own tasks
+
+    def run(name: str, cache: str | None) -> float:
+        out = lm_eval.simple_evaluate(model="blockgen", model_args=f"pretrained={ckpts[name]},k_mc=2",
+                                      tasks=["blockgen_toy_cloze"], limit=3, device="cpu", use_cache=cache,
+                                      bootstrap_iters=0, log_samples=False, task_manager=tasks)
+        return out["results"]["blockgen_toy_cloze"]["perplexity,none"]
+
+    cache = str(tmp_path / "cache")
+    mixture, ar = run("mixture", cache), run("ar", cache)  # same requests, same cache file
+    assert ar == run("ar", None) != mixture
+    assert run("mixture", cache) == mixture
+    db = sqlite3.connect(cache + "_rank0.db")
+    tables = [t for (t,) in db.execute("select name from sqlite_master where type='table'") if t.startswith("blockgen-")]
+    assert [db.execute(f'select count(*) from "{t}"').fetchone()[0] for t in tables] == [3, 3]  # one table per checkpoint
+
+
+# ------------------------------------------------------------------------------ the real commands
+
+
+def _run(cmd: list[str], timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV, cwd="/")
+    return proc
+
+
+def _results(out_dir: Path) -> dict:
+    (path,) = out_dir.rglob("results_*.json")
+    return json.loads(path.read_text())
+
+
+def _eval_args(ckpt: Path, out: Path, limit: int = 4, batch: int = 3, tasks: str = TASKS) -> list[str]:
+    return ["--model", "blockgen", "--model_args", f"pretrained={ckpt},k_mc=2,steps=4,seed=3",
+            "--tasks", tasks, "--limit", str(limit), "--batch_size", str(batch),
+            "--output_path", str(out), "--log_samples"]
+
+
+@pytest.fixture(scope="session")
+def single_process(ckpts, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("single")
+    proc = _run([str(BIN / "lm_eval"), *_eval_args(ckpts["mixture"], out)])  # device: lm-eval's cuda:0 default
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not torch.cuda.is_available():
+        assert "CUDA is not available; using the CPU" in proc.stderr
+    return {"results": _results(out), "out": out}
+
+
+METRICS = {"blockgen_toy_cloze": ["perplexity,none", "acc,none"],
+           "blockgen_toy_ppl": ["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"],
+           "blockgen_toy_gen": ["exact_match,none"]}
+
+
+def test_lm_eval_command_runs_three_task_types(ckpts, single_process):
+    results = single_process["results"]
+    for task, metrics in METRICS.items():
+        for metric in metrics:
+            assert math.isfinite(results["results"][task][metric]), (task, metric)
+    assert results["results"]["blockgen_toy_ppl"]["word_perplexity,none"] > 1
+    info = results["config"]
+    assert info["model_sha"] == checkpoint_hash(ckpts["mixture"])
+    assert info["blockgen"]["block_sizes"] == [1, 8] and info["blockgen"]["block_weights"] == [0.2, 0.8]
+    assert info["blockgen"]["k_mc"] == 2 and info["blockgen"]["seed"] == 3
+    assert info["blockgen"]["sampler"]["name"] == "ancestral" and info["blockgen"]["sampler"]["steps"] == 4
+    (samples,) = single_process["out"].rglob("samples_blockgen_toy_gen_*.jsonl")
+    for line in samples.read_text().splitlines():
+        text = json.loads(line)["resps"][0][0]
+        assert "\n" not in text and "." not in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_ranks_agree_with_one_process(ckpts, single_process, tmp_path):
+    env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           "-m", "lm_eval", *_eval_args(ckpts["mixture"], tmp_path, batch=2), "--device", "cpu"]
+    proc = _run(cmd, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Building contexts for blockgen_toy_ppl on rank 1" in proc.stderr  # the work really was split
+    dp, single = _results(tmp_path)["results"], single_process["results"]["results"]
+    for task, metrics in METRICS.items():
+        for metric in metrics:
+            # equal up to float32 rounding: the two runs batch different windows together
+            assert dp[task][metric] == pytest.approx(single[task][metric], rel=1e-6), (task, metric)
+
+
+def test_python_m_blockgen_lm_eval_without_the_hook(ckpts, single_process, tmp_path):
+    """The fallback works with the start-up hook off; batch size 1 gives the numbers of batch size 3."""
+    env = {**ENV, "BLOCKGEN_LM_EVAL_HOOK": "0"}
+    proc = _run([sys.executable, "-m", "blockgen.lm_eval",
+                 *_eval_args(ckpts["mixture"], tmp_path, batch=1, tasks="blockgen_toy_cloze"), "--device", "cpu"],
+                env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _results(tmp_path)["results"], single_process["results"]["results"]
+    for metric in METRICS["blockgen_toy_cloze"]:
+        assert got["blockgen_toy_cloze"][metric] == pytest.approx(want["blockgen_toy_cloze"][metric], rel=1e-6)
+    probe = "from lm_eval.api.registry import get_model\ntry:\n get_model('blockgen')\nexcept ValueError:\n print('absent')"
+    assert _run([sys.executable, "-c", probe], env=env).stdout.strip() == "absent"
+
+
+def test_lm_eval_bad_model_args_fail_early(ckpts, tmp_path):
+    proc = _run([str(BIN / "lm_eval"), "--model", "blockgen", "--model_args",
+                 f"pretrained={ckpts['mixture']},sampler=nope", "--tasks", "blockgen_toy_cloze", "--limit", "1"])
+    assert proc.returncode != 0
+    assert "unknown sampler 'nope'; choose one of ['ancestral', 'eipc', 'arpc', 'ar_greedy', 'ar_sample']" in proc.stderr
+
+
+def test_hook_leaves_hf_model_working(ckpts, tmp_path):
+    pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (lm-eval[hf])")
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(ckpts["mixture"]))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    proc = _run([str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={tmp_path / 'gpt2'}",
+                 "--tasks", "blockgen_toy_cloze", "--limit", "2", "--device", "cpu", "--output_path", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert math.isfinite(_results(tmp_path / "out")["results"]["blockgen_toy_cloze"]["acc,none"])
+
+
+def test_start_up_hook_is_cheap():
+    """Python start-up imports only the hook (no torch, no lm-eval); lm-eval's own models stay registered."""
+    proc = _run([sys.executable, "-X", "importtime", "-c", "pass"])
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "blockgen._lm_eval_hook" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "lm_eval", "numpy", "transformers")}
+    probe = ("from lm_eval.api.registry import model_registry, get_model\n"
+             "print(sorted(n for n in ('hf', 'vllm', 'dummy', 'blockgen') if n in model_registry))\n"
+             "import sys; print('torch' in sys.modules)")
+    assert _run([sys.executable, "-c", probe]).stdout.split() == ["['blockgen',", "'dummy',", "'hf',", "'vllm']", "False"]
+
+
+def test_hook_failures_are_warnings(monkeypatch):
+    import blockgen.lm_eval
+    from blockgen import _lm_eval_hook as hook
+
+    def broken(module):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(blockgen.lm_eval, "register_model", broken)
+    with pytest.warns(RuntimeWarning, match="could not hook into lm_eval.api.registry .*boom"):
+        hook._run("lm_eval.api.registry", object())
