@@ -18,11 +18,13 @@ Samplers (`SamplerConfig.name`):
   lowest-scoring positions m, sets z = x~ and then draws z^l ~ q_s(. | x~^l; alpha_s) for l in m,
   literally as the algorithm's line reads: each chosen position goes through the forward process,
   so (masked) it becomes [MASK] with probability 1 - alpha_s and keeps x~ otherwise (uniform: it is
-  redrawn uniformly with probability 1 - alpha_s). Ties in the score go to torch.topk's order.
+  redrawn uniformly, possibly onto x~ again, with probability 1 - alpha_s). The scores use the
+  tempered distributions. Ties in the score go to torch.topk's order.
 - `ar_greedy` / `ar_sample`: autoregression at block size 1, one token per model call.
 Temperature divides the logits before normalisation, for diffusion and AR passes alike (greedy AR
 ignores it). Categorical draws are float64 (`sample_categorical`); one `torch.Generator` seeded
-from `SamplerConfig.seed` drives all randomness, so a fixed seed reproduces a batch exactly.
+from `SamplerConfig.seed` drives all randomness, so a fixed seed reproduces a batch exactly (same
+prompts, same device).
 
 Layout of the calls (see `attention.allowed`). Positions of a row start at 0 at its first real
 token (prompts are left-padded; padding is `valid=False`). Block ids are positions, in a way that
@@ -43,8 +45,8 @@ never committed since nothing reads it.
 Counting model calls (`GenerationResult.model_calls` counts the forward passes really made; one
 batched call counts once). The paper's label (appendix D, `paper_nfe_per_block`) is N_step for
 ancestral and EIPC and N_step + floor((N_step - 1 - warmup) / GE) + 1 for ARPC. An informed step
-with k = 0 (always the case at the last step, where alpha_0 = 1, and at late steps when
-N_step > 2 L') re-noises nothing, so its AR scores could change nothing: we skip that AR pass.
+with k = 0 (always the case at the last step, where alpha_0 = 1, and at the step with s = 1/N once
+N_step >= 2 L') re-noises nothing, so its AR scores could change nothing: we skip that AR pass.
 Such a step still sets z = x~ (at s = 0 this is exactly an ancestral step). Hence the actual count
 per block (`calls_per_block`) is N_step + #{informed steps with k > 0} for ARPC, one fewer than the
 label per skipped pass; both are reported.
@@ -251,19 +253,20 @@ class Decoder:
 
     def denoise(self, z: torch.Tensor) -> torch.Tensor:
         """Logits (B, L', V) of the noisy block z at the current position (block size L')."""
-        if self._noisy_layout is None:
+        if self._noisy_layout is None or self._noisy_layout.positions.shape[1] != z.shape[1]:
             self._noisy_layout = _rows(self.batch, self.next_pos, z.shape[1], self.next_pos, noisy=True)
         return self._call(z, self._noisy_layout)
 
     def ar_pass(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, noisy tokens) of the AR pass (block size 1) over a clean proposal x (B, L').
 
-        Row p of the logits is the AR prediction of x[:, p] given the prefix and x[:, :p].
+        Row p of the logits is the AR prediction of x[:, p] given the prefix and x[:, :p]
+        (token-causal models: a block-causal clean stream has no block-size-1 cache).
         """
         n = x.shape[1]
         if noise is None:
             noise = self.prior.fully_noised(x.shape, device=x.device)  # what training feeds at block size 1
-        if self._ar_layout is None:
+        if self._ar_layout is None or self._ar_layout.positions.shape[1] != 2 * n:
             clean = _rows(self.batch, self.next_pos, n, None, noisy=False)
             self._ar_layout = clean.cat(_rows(self.batch, self.next_pos, n, None, noisy=True))
         return self._call(torch.cat([x, noise], dim=1), self._ar_layout), noise

@@ -1,0 +1,119 @@
+"""Sampler timings, measured side by side in one run (random weights: timing only, not quality).
+
+    .venv/bin/python bench/bench_sampling.py                  # prompt 128 + 512 new tokens, L' = 16
+    .venv/bin/python bench/bench_sampling.py --new-tokens 256 --repeats 1
+
+For NFE per block in {4, 8, 16} it reports
+- tokens/s of block-by-block ancestral sampling with the KV cache vs recomputing the whole prefix at
+  every call (`generate(..., use_cache=False)`); goal: cached >= 5x;
+- wall time per model call of ARPC vs ancestral at the same paper NFE label (ARPC's AR passes run
+  2 L' tokens; every block's first call also carries the previous block); goal: <= 1.25x;
+- block-by-block (L' = 16) vs full-sequence diffusion (one block of all new tokens) at matched
+  total NFE. The full-sequence run uses a block size the model was never trained on: a timing
+  comparison only.
+Model: the tiny project config (vocab 512, 4 layers, d 192, 4 heads; block sizes (1, 16)).
+EOS is disabled (eos_id = -1) so every run generates exactly the requested tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from blockgen.models.model import BlockGen, BlockGenConfig
+from blockgen.models.sampling import SamplerConfig, generate
+
+# (N_step, GE, warmup) of ARPC with the paper's NFE label 4, 8, 16 (appendix D's rule)
+ARPC_SCHEDULES = {4: (3, 3, 0), 8: (6, 3, 0), 16: (12, 3, 0)}
+
+
+def tiny_model(seq_len: int, prior: str) -> BlockGen:
+    config = BlockGenConfig(
+        vocab_size=512, seq_len=seq_len, prior=prior, block_sizes=(1, 16), block_weights=(0.05, 0.95),
+        n_layers=4, d_model=192, n_heads=4, cond_dim=64, dropout=0.0,
+    )
+    model = BlockGen(config).eval()
+    with torch.no_grad():  # non-trivial outputs (the final layer is zero-initialised)
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def timed(model, prompts, runs: dict[str, tuple[SamplerConfig, dict]], repeats: int) -> dict[str, tuple[float, int]]:
+    """{name: (best wall seconds, model calls)}; the runs alternate round-robin, so load from other
+    processes on the machine hits every variant alike."""
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(repeats):
+        for name, (config, kwargs) in runs.items():
+            start = time.perf_counter()
+            result = generate(model, prompts, config, eos_id=-1, pad_id=0, **kwargs)
+            seconds = time.perf_counter() - start
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, result.model_calls)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--nfe", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--prior", choices=["masked", "uniform"], default="masked")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-full", action="store_true", help="skip the full-sequence comparison")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    block = 16
+    model = tiny_model(args.prompt_len + args.new_tokens, args.prior)
+    prompts = torch.randint(0, 512, (args.batch, args.prompt_len)).tolist()
+    n_tok = args.batch * args.new_tokens
+    print(f"tiny model ({model.dit.n_params() / 1e6:.2f}M params, {args.prior}), batch {args.batch}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, L' = {block}, {torch.get_num_threads()} threads")
+
+    with torch.inference_mode():
+        generate(model, prompts, SamplerConfig("ancestral", steps=2, max_new_tokens=2 * block), -1, 0)  # warm-up
+        rows = []
+        for nfe in args.nfe:
+            anc = SamplerConfig("ancestral", steps=nfe, block_size=block, max_new_tokens=args.new_tokens)
+            steps, ge, warmup = ARPC_SCHEDULES.get(nfe, (nfe, nfe, 0))
+            arpc = SamplerConfig("arpc", steps=steps, ge=ge, warmup=warmup, block_size=block, max_new_tokens=args.new_tokens)
+            runs = {"cached": (anc, {}), "uncached": (anc, {"use_cache": False}), "arpc": (arpc, {})}
+            if not args.skip_full:  # one block of all new tokens, the same total number of calls
+                total = nfe * (args.new_tokens // block)
+                full = SamplerConfig("ancestral", steps=total, block_size=args.new_tokens, max_new_tokens=args.new_tokens)
+                runs["full"] = (full, {"validate": False})
+            t = timed(model, prompts, runs, args.repeats)
+            (t_cached, c_cached), (t_plain, _), (t_arpc, c_arpc) = t["cached"], t["uncached"], t["arpc"]
+            row = {
+                "nfe/block": nfe,
+                "cached tok/s": n_tok / t_cached,
+                "uncached tok/s": n_tok / t_plain,
+                "cache speedup": t_plain / t_cached,
+                "anc ms/call": 1e3 * t_cached / c_cached,
+                "arpc ms/call": 1e3 * t_arpc / c_arpc,
+                "arpc/anc": (t_arpc / c_arpc) / (t_cached / c_cached),
+            }
+            if "full" in t:
+                t_full, c_full = t["full"]
+                row.update({"calls": c_cached, "block-wise s": t_cached, "full-seq s": t_full, "full/block": t_full / t_cached})
+                assert c_full == c_cached
+            row["load1"] = os.getloadavg()[0]  # other processes on this machine skew the timings
+            rows.append(row)
+
+    keys = list(rows[0])
+    print(" | ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:>14.2f}" if isinstance(row[k], float) else f"{row[k]:>14}" for k in keys))
+    print("goals: cache speedup >= 5x; arpc/anc per call <= 1.25x. full-seq: timing only (untrained block size).")
+    print(f"load1 = 1-minute load average after the row; above {torch.get_num_threads()} the machine was shared.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+"""Samplers and the KV cache against uncached, by-hand definitions (tiny random models, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from blockgen.models.backbone import KVCache
+from blockgen.models.model import BlockGen, BlockGenConfig
+from blockgen.models.sampling import (
+    SAMPLERS,
+    Decoder,
+    SamplerConfig,
+    ancestral_step,
+    calls_per_block,
+    check_config,
+    generate,
+    paper_nfe_per_block,
+    renoise_count,
+    step_alphas,
+)
+
+V = 40
+
+
+def tiny_model(prior: str = "masked", causal: bool = True, sizes=(1, 4, 8), seed: int = 0, std: float = 0.2) -> BlockGen:
+    weights = tuple(1 / len(sizes) for _ in sizes)
+    config = BlockGenConfig(
+        vocab_size=V, seq_len=64, prior=prior, block_sizes=sizes, block_weights=weights, causal_clean=causal,
+        n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = BlockGen(config).eval()
+    with torch.no_grad():  # adaLN and the output layer start at zero: scale everything up
+        for p in model.parameters():
+            p.normal_(0, std)
+    return model
+
+
+@pytest.fixture(scope="module")
+def masked():
+    return tiny_model("masked")
+
+
+@pytest.fixture(scope="module")
+def uniform():
+    return tiny_model("uniform")
+
+
+def noisy_block(model: BlockGen, x: torch.Tensor, alpha: float, seed: int = 1) -> torch.Tensor:
+    return model.prior.noise(x, torch.tensor(alpha), torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ cache vs training layout
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("causal", [True, False], ids=["token-causal", "block-causal"])
+def test_cached_logits_equal_training_layout(prior, causal):
+    """A noisy block through the cache (prefix committed over several calls) == forward_train."""
+    sizes = (1, 4, 8) if causal else (4, 8)
+    model = tiny_model(prior, causal, sizes)
+    x0 = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for block_size in sizes:
+            prefix = 24  # a multiple of every block size
+            xt = noisy_block(model, x0, 0.5)
+            want = model.dit.forward_train(x0, xt, block_size)[:, prefix : prefix + block_size]
+            for use_cache in (True, False):
+                prompt = 8
+                dec = Decoder(model, x0[:, :prompt].tolist(), pad_id=0, block_size=block_size, use_cache=use_cache)
+                # Commit the rest of the prefix block by block, flushing with throw-away calls in between.
+                for start in range(prompt, prefix, block_size):
+                    dec.commit(x0[:, start : start + block_size])
+                    if start % 16 == 0:
+                        dec.denoise(model.prior.prior_sample((2, block_size)))
+                got = dec.denoise(xt[:, prefix : prefix + block_size])
+                assert (got - want).abs().max() <= 1e-4, (block_size, use_cache)
+                if use_cache:
+                    assert len(dec.cache) == prefix
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+def test_ar_pass_equals_training_layout(prior):
+    """The AR verifier pass over a proposal == forward_train at block size 1 on [prefix ; proposal]."""
+    model = tiny_model(prior)
+    x0 = torch.randint(0, V, (3, 29), generator=torch.Generator().manual_seed(2))
+    prefix, n = 13, 8
+    with torch.inference_mode():
+        noise = model.prior.fully_noised(x0.shape)
+        want = model.dit.forward_train(x0, noise, 1)[:, prefix : prefix + n]
+        dec = Decoder(model, x0[:, :5].tolist(), pad_id=0, block_size=n)
+        dec.commit(x0[:, 5:9])
+        dec.denoise(model.prior.prior_sample((3, 4)))  # flush: the cache now holds 9 tokens
+        dec.commit(x0[:, 9:prefix])
+        got, _ = dec.ar_pass(x0[:, prefix : prefix + n])  # also commits the last 4 prefix tokens
+        assert (got - want).abs().max() <= 1e-4
+        assert len(dec.cache) == prefix
+        again, _ = dec.ar_pass(x0[:, prefix : prefix + n])  # pure cache hit, proposal not committed
+        assert (again - want).abs().max() <= 1e-4
+        assert len(dec.cache) == prefix
+
+
+def test_padded_batch_matches_single_rows(masked):
+    """Left padding (positions from 0 at the first real token) changes no row's logits."""
+    prompts = [[3, 1, 4], list(range(1, 12)), [], [7]]
+    gen = torch.Generator().manual_seed(3)
+    blocks = [torch.randint(0, V, (len(prompts), 8), generator=gen) for _ in range(2)]
+    z = noisy_block(masked, torch.randint(0, V, (len(prompts), 8), generator=gen), 0.3)
+    with torch.inference_mode():
+        batch = Decoder(masked, prompts, pad_id=5, block_size=8)
+        got = [batch.denoise(z)]
+        for b in blocks:
+            batch.commit(b)
+            got.append(batch.denoise(z))
+        got.append(batch.ar_pass(blocks[0])[0])
+        for r, p in enumerate(prompts):
+            alone = Decoder(masked, [p], pad_id=5, block_size=8)
+            want = [alone.denoise(z[r : r + 1])]
+            for b in blocks:
+                alone.commit(b[r : r + 1])
+                want.append(alone.denoise(z[r : r + 1]))
+            want.append(alone.ar_pass(blocks[0][r : r + 1])[0])
+            for g, w in zip(got, want):
+                assert (g[r] - w[0]).abs().max() <= 1e-4
+
+
+# ------------------------------------------------------------------------------- samplers
+
+
+@pytest.mark.parametrize("name", ["ancestral", "eipc", "arpc"])
+def test_masked_never_changes_unmasked_tokens(masked, name):
+    """Ancestral: a visible token never changes and the block ends clean. PC samplers: ends clean."""
+    trajectory = []
+    config = SamplerConfig(name, steps=5, ge=2, max_new_tokens=16, block_size=8, seed=4)
+    result = generate(masked, [[1, 2, 3], [4]], config, eos_id=-1, pad_id=0, trace=lambda b, i, z: trajectory.append(z.clone()))
+    mask = masked.prior.mask_id
+    for block in range(2):
+        steps = trajectory[block * 5 : (block + 1) * 5]
+        assert not (steps[-1] == mask).any()
+        if name == "ancestral":
+            for before, after in zip(steps, steps[1:]):
+                visible = before != mask
+                assert torch.equal(after[visible], before[visible])
+    assert all(len(t) == 16 and all(0 <= v < V for v in t) for t in result.tokens)
+
+
+def hand_informed_steps(steps: int, ge: int, warmup: int) -> list[int]:
+    return [i for i in range(warmup, steps, ge)]
+
+
+def test_model_calls_follow_the_rule(masked, monkeypatch):
+    """Counted forward passes == the documented rule; the paper label == appendix D's formula."""
+    calls = []
+    real = masked.dit.forward_cached
+    monkeypatch.setattr(masked.dit, "forward_cached", lambda *a, **k: calls.append(1) or real(*a, **k))
+    block, n_blocks = 8, 2
+    for steps in range(1, 8):
+        for ge in range(1, 4):
+            for warmup in range(steps):
+                for name in ("ancestral", "eipc", "arpc"):
+                    if name == "ancestral" and (ge, warmup) != (1, 0):
+                        continue
+                    config = SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, block_size=block, max_new_tokens=n_blocks * block)
+                    calls.clear()
+                    result = generate(masked, [[1, 2], [3, 4, 5]], config, eos_id=-1, pad_id=0)
+                    informed = hand_informed_steps(steps, ge, warmup) if name != "ancestral" else []
+                    skipped = [i for i in informed if round((1 - step_alphas(i, steps, 1e-3)[1]) * block) == 0]
+                    passes = len(informed) - len(skipped) if name == "arpc" else 0
+                    assert len(calls) == result.model_calls == n_blocks * (steps + passes)
+                    assert result.model_calls_per_block == steps + passes == calls_per_block(config, block)
+                    paper = steps + (steps - 1 - warmup) // ge + 1 if name == "arpc" else steps
+                    assert result.paper_nfe_per_block == paper
+                    if name == "arpc":
+                        assert paper - result.model_calls_per_block == len(skipped)
+                        assert (steps - 1 in informed) <= (steps - 1 in skipped)  # the last step's pass is skipped
+    # The worked examples of appendix D, at L' = 16: no informed step has k = 0, so label == count.
+    for (steps, ge, warmup), nfe in {(3, 3, 0): 4, (12, 3, 0): 16, (14, 4, 8): 16}.items():
+        config = SamplerConfig("arpc", steps=steps, ge=ge, warmup=warmup, block_size=16)
+        assert paper_nfe_per_block(config) == calls_per_block(config, 16) == nfe
+    assert calls_per_block(SamplerConfig("arpc", steps=4, ge=3), 16) == paper_nfe_per_block(SamplerConfig("arpc", steps=4, ge=3)) - 1
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("name", ["ancestral", "eipc", "arpc", "ar_sample"])
+def test_seed_reproducibility(prior, name, masked, uniform):
+    model = masked if prior == "masked" else uniform
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5], [11]]
+
+    def run(seed):
+        return generate(model, prompts, SamplerConfig(name, steps=4, ge=2, max_new_tokens=16, seed=seed), eos_id=-1, pad_id=0).tokens
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+
+
+def greedy_by_hand(model: BlockGen, prompt: list[int], n: int) -> list[int]:
+    """argmax decoding with the plain training forward at block size 1 on the growing sequence."""
+    seq = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(n):
+            noise = model.prior.fully_noised(seq.shape)
+            logits = model.dit.forward_train(seq, noise, 1)[:, -1:]
+            nxt = model.prior.denoiser_log_probs(logits, noise[:, -1:]).argmax(-1)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+def test_greedy_ar_equals_argmax_by_hand(prior, masked, uniform):
+    model = masked if prior == "masked" else uniform
+    prompt = [3, 14, 15, 9, 2, 6]
+    result = generate(model, [prompt], SamplerConfig("ar_greedy", max_new_tokens=20), eos_id=-1, pad_id=0)
+    assert result.tokens[0] == greedy_by_hand(model, prompt, 20)
+    assert result.model_calls == 20 and result.paper_nfe_per_block == 1
+
+
+def test_batch_of_prompts_equals_each_alone(masked):
+    """Greedy AR on a left-padded batch == each prompt alone (near-ties may flip an argmax)."""
+    prompts = [[1], [5, 4, 3, 2, 1, 9, 8], [], [7, 7, 7, 7, 30, 31, 32, 33, 34, 35, 36, 37]]
+    config = SamplerConfig("ar_greedy", max_new_tokens=16)
+    batch = generate(masked, prompts, config, eos_id=-1, pad_id=0).tokens
+    for p, got in zip(prompts, batch):
+        want = generate(masked, [p], config, eos_id=-1, pad_id=0).tokens[0]
+        if got != want:  # only acceptable at a near-tie of the two top logits
+            i = next(k for k in range(len(want)) if got[k] != want[k])
+            seq = torch.tensor([p + want[:i]])
+            noise = masked.prior.fully_noised(seq.shape)
+            with torch.inference_mode():
+                top = masked.dit.forward_train(seq, noise, 1)[0, -1, :V].topk(2).values
+            assert top[0] - top[1] < 1e-4
+
+
+# -------------------------------------------------- stopping, with a scripted network
+
+
+class Script:
+    """Stands in for `DiT.forward_cached`: the noisy token at position p strongly predicts `target(p)`.
+
+    Diffusion calls (one block id per row) and AR passes are told apart by the layout; AR passes
+    return `ar_bias(p)` on the proposed token, so the AR scores are known.
+    """
+
+    def __init__(self, vocab: int, target, ar_bias=None):
+        self.vocab, self.target, self.ar_bias = vocab, target, ar_bias
+        self.batches: list[int] = []
+        self.kinds: list[str] = []
+
+    def __call__(self, tokens, layout, cache, n_commit=0):
+        layout = layout.expand(tokens.shape[0])
+        noisy = layout.noisy[0]
+        pos = layout.positions[:, noisy]
+        logits = torch.zeros(*pos.shape, self.vocab)
+        logits.scatter_(-1, self.target(pos)[..., None], 50.0)
+        block_ids = layout.block_ids[:, noisy]
+        is_ar = pos.shape[1] > 1 and bool((block_ids[:, 1:] != block_ids[:, :1]).any())
+        self.batches.append(tokens.shape[0])
+        self.kinds.append("ar" if is_ar else "diffusion")
+        if is_ar and self.ar_bias is not None:
+            proposal = tokens[:, ~noisy][:, -pos.shape[1] :]
+            logits = torch.zeros(*pos.shape, self.vocab)
+            logits.scatter_(-1, proposal[..., None], self.ar_bias(pos).float()[..., None])
+        return logits
+
+
+EOS = 0
+
+
+def eos_at_9(pos):
+    return torch.where(pos == 9, EOS, 3 + pos % 5)
+
+
+@pytest.mark.parametrize("config", [SamplerConfig("ancestral", steps=2, block_size=4, max_new_tokens=10), SamplerConfig("ar_greedy", max_new_tokens=10)], ids=["ancestral", "ar"])
+def test_eos_stop_and_length(monkeypatch, config):
+    """EOS at absolute position 9; BOS == EOS opens every prompt and EOS also sits inside prompts."""
+    model = tiny_model("masked")
+    script = Script(V + 1, eos_at_9)
+    monkeypatch.setattr(model.dit, "forward_cached", script)
+    prompts = [[EOS, 5], [EOS, 1, 2, 3, 4, 5, 6], [EOS] + [EOS, 1] * 6, [EOS, 2, 2, 2]]
+    lengths = [len(p) for p in prompts]
+    result = generate(model, prompts, config, eos_id=EOS, pad_id=1)
+    for p, n, got, reason in zip(prompts, lengths, result.tokens, result.finish_reasons):
+        expected = [3 + q % 5 for q in range(n, n + 10)]
+        if n <= 9:  # generated EOS at position 9: cut there (later tokens of its block too)
+            assert got == expected[: 9 - n] and reason == "eos"
+        else:
+            assert got == expected and reason == "length"
+    assert EOS not in sum(result.tokens, [])
+    assert script.batches[0] == 4 and script.batches[-1] < 4  # finished rows left the batch
+
+    # A per-row stop callback, checked after each committed block.
+    script.batches.clear()
+    stops = [None, lambda ids: len(ids) >= 1, None, lambda ids: 4 in ids]
+    result = generate(model, prompts, config, eos_id=-1, pad_id=1, stop=stops)
+    assert result.finish_reasons == ["length", "stop", "length", "stop"]
+    step = config.block_size or 1
+    assert len(result.tokens[1]) == step and 4 in result.tokens[3]
+    assert [len(t) for t in (result.tokens[0], result.tokens[2])] == [10, 10]
+
+
+@pytest.mark.parametrize("name", ["arpc", "eipc"])
+def test_informed_step_renoises_only_the_lowest_scores(monkeypatch, name):
+    """k = round((1 - alpha_s) L') lowest-scoring positions go through q_s(. | x~; alpha_s); the rest stay x~."""
+    model = tiny_model("masked")
+    if name == "arpc":  # AR score decreasing with the position: the bottom k are the last k
+        script = Script(V + 1, lambda pos: 3 + pos % 5, ar_bias=lambda pos: 20.0 - pos)
+    else:  # diffusion confidence decreasing with the position: the entropy ranks the same way
+        script = Script(V + 1, lambda pos: 3 + pos % 5)
+        real = script.__call__
+
+        def graded(tokens, layout, cache, n_commit=0):
+            logits = real(tokens, layout, cache, n_commit)
+            pos = layout.expand(tokens.shape[0]).positions[:, layout.expand(tokens.shape[0]).noisy[0]]
+            return logits * (1.0 - 0.1 * pos[..., None].float())
+
+        script = graded
+    monkeypatch.setattr(model.dit, "forward_cached", script)
+    steps, block = 2, 8
+    k = renoise_count(0, steps, block, 1e-3)
+    alpha_s = step_alphas(0, steps, 1e-3)[1]
+    assert k == 4
+    after_informed = []
+    config = SamplerConfig(name, steps=steps, ge=5, block_size=block, max_new_tokens=block, seed=0)
+    generate(model, [[]] * 600, config, eos_id=-1, pad_id=1, trace=lambda b, i, z: after_informed.append(z) if i == 0 else None)
+    z = after_informed[0]
+    renoised = z == model.prior.mask_id
+    assert not renoised[:, : block - k].any()
+    assert torch.equal(z[~renoised], (3 + torch.arange(block) % 5).expand_as(z)[~renoised])
+    assert abs(renoised[:, block - k :].float().mean().item() - (1 - alpha_s)) < 0.05
+
+
+# ------------------------------------------------------------------------------ uniform prior
+
+
+def test_uniform_step_is_the_plug_in_posterior():
+    """With a one-hot denoiser, the uniform ancestral step draws from prior.posterior(z_t, x)."""
+    model = tiny_model("uniform")
+    prior = model.prior
+    c, z_t = 7, 12
+    alpha_t, alpha_s = step_alphas(1, 3, 1e-3)
+    n = 40_000
+    z = torch.full((n, 1), z_t)
+    x_probs = torch.nn.functional.one_hot(torch.full((n, 1), c), V).float()
+    draws = ancestral_step(prior, z, x_probs, alpha_t, alpha_s, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws.view(-1), minlength=V).double() / n
+    want = prior.posterior(torch.tensor(z_t), torch.nn.functional.one_hot(torch.tensor(c), V).double(), alpha_t, alpha_s)
+    assert (freq - want).abs().max() < 0.01
+    assert want[c] > 0.2 and want[z_t] > 0.2  # both "jump to x" and "stay" are exercised
+
+
+def test_uniform_ancestral_runs_and_ends_on_the_denoiser(monkeypatch, uniform):
+    result = generate(uniform, [[1, 2], [3]], SamplerConfig("ancestral", steps=3, max_new_tokens=16), eos_id=-1, pad_id=0)
+    assert all(len(t) == 16 and all(0 <= v < V for v in t) for t in result.tokens)
+    model = tiny_model("uniform")
+    monkeypatch.setattr(model.dit, "forward_cached", Script(V, lambda pos: 3 + pos % 5))
+    result = generate(model, [[1, 2]], SamplerConfig("ancestral", steps=3, block_size=8, max_new_tokens=16), eos_id=-1, pad_id=0)
+    assert result.tokens[0] == [3 + p % 5 for p in range(2, 18)]  # at s = 0 the posterior is x itself
+
+
+def test_uncached_generation_matches_cached(masked):
+    prompts = [[1, 2, 3], [4, 5]]
+    for config in (SamplerConfig("arpc", steps=4, ge=2, max_new_tokens=16, seed=3), SamplerConfig("ar_greedy", max_new_tokens=8)):
+        cached = generate(masked, prompts, config, eos_id=-1, pad_id=0)
+        plain = generate(masked, prompts, config, eos_id=-1, pad_id=0, use_cache=False)
+        assert cached.tokens == plain.tokens and cached.model_calls == plain.model_calls
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(name="beam"), ["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]),
+        (dict(steps=0), ["steps", ">= 1"]),
+        (dict(name="arpc", ge=0), ["ge", ">= 1"]),
+        (dict(name="eipc", warmup=-1), ["warmup", ">= 0"]),
+        (dict(name="arpc", steps=4, warmup=4), ["warmup", "0..3"]),
+        (dict(temperature=0.0), ["temperature"]),
+        (dict(name="ar_sample", temperature=-1.0), ["temperature"]),
+        (dict(name="ar_greedy", block_size=16), ["block_size", "1"]),
+        (dict(block_size=1), ["ar_sample", "ar_greedy"]),
+        (dict(max_new_tokens=0), ["max_new_tokens"]),
+    ],
+)
+def test_bad_sampler_configs(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        SamplerConfig(**kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_configs_checked_against_the_model(masked):
+    assert SamplerConfig("ar_greedy", temperature=0.0).temperature == 0.0  # greedy ignores it
+    assert check_config(masked, SamplerConfig("arpc")) == 8  # default: the largest trained size
+    with pytest.raises(ValueError, match=r"\[1, 4, 8\]"):
+        check_config(masked, SamplerConfig("ancestral", block_size=16))
+    with pytest.raises(ValueError, match="block size 1 in the training mixture.*ancestral"):
+        check_config(tiny_model(sizes=(4, 8)), SamplerConfig("arpc"))
+    with pytest.raises(ValueError, match="causal_clean"):
+        check_config(tiny_model(causal=False), SamplerConfig("arpc", block_size=4))
+    with pytest.raises(ValueError, match=r"\[4, 8\]"):
+        check_config(tiny_model(sizes=(4, 8)), SamplerConfig("ar_greedy"))
+    with pytest.raises(ValueError, match="seq_len"):
+        generate(masked, [[1] * 60], SamplerConfig("ancestral", max_new_tokens=8), eos_id=-1, pad_id=0)
+    assert set(SAMPLERS) == {"ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"}
+
+
+def test_cli_samples_a_checkpoint(tmp_path, capsys):
+    from blockgen.harness.checkpoint import save_checkpoint
+    from blockgen.harness.sample import main
+    from blockgen.harness.tokenizer import special_tokens, train_bpe
+
+    tok = train_bpe(["three apples and two pears make five fruits"] * 20, vocab_size=270)
+    special = special_tokens(tok)
+    config = BlockGenConfig(
+        vocab_size=len(tok), seq_len=64, block_sizes=(1, 8), block_weights=(0.5, 0.5), n_layers=1, d_model=32,
+        n_heads=4, cond_dim=16, dropout=0.0, special_tokens=special.to_dict(),
+    )
+    save_checkpoint(tmp_path / "ckpt", BlockGen(config), tokenizer=tok)
+    out = tmp_path / "samples.jsonl"
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt", "three apples", "--prompt", "", "--num-samples", "2",
+            "--sampler", "arpc", "--steps", "3", "--ge", "3", "--max-new-tokens", "16", "--batch-size", "3", "--out", str(out)]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and rows[0]["paper_nfe_per_block"] == 4 and rows[0]["sampler"]["name"] == "arpc"
+    assert all(len(r["tokens"]) <= 16 and special.eos not in r["tokens"] for r in rows)
+    assert "model calls per block" in capsys.readouterr().out
+    assert main(argv[:2] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
+    assert "[1, 8]" in capsys.readouterr().err
+
+
+def test_temperature_divides_the_logits(masked):
+    """T -> 0 turns AR sampling into greedy decoding; T = 1 keeps the model's distribution."""
+    prompts = [[1, 2, 3], [4]]
+    greedy = generate(masked, prompts, SamplerConfig("ar_greedy", max_new_tokens=12), eos_id=-1, pad_id=0).tokens
+    cold = generate(masked, prompts, SamplerConfig("ar_sample", temperature=1e-4, max_new_tokens=12, seed=5), eos_id=-1, pad_id=0)
+    assert cold.tokens == greedy
+    warm = generate(masked, prompts, SamplerConfig("ar_sample", temperature=1.0, max_new_tokens=12, seed=5), eos_id=-1, pad_id=0)
+    assert warm.tokens != greedy
