@@ -111,10 +111,10 @@ def _mixture(name_sizes, weights) -> dict:
 _DEMO = dict(eval_every=10**9, save_every=100, data=DataConfig(n_val=128))
 PRESETS: dict[str, TrainConfig] = {
     "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=500, **_DEMO),
-    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=550, **_DEMO),
-    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=550, **_DEMO),
-    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=550, **_DEMO),
-    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=550, **_DEMO),
+    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=650, **_DEMO),
+    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=650, **_DEMO),
+    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=650, **_DEMO),
+    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=650, **_DEMO),
     # The paper's scale (GPU machines with the hub): TinyGSM with the SmolLM tokenizer, and OWT.
     "tinygsm-paper": TrainConfig(
         prior="masked", **_mixture((1, 16), (0.05, 0.95)), size="paper", seq_len=512, batch_size=512, lr=3e-4,

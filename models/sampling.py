@@ -166,6 +166,8 @@ def check_config(model: BlockGen | BlockGenConfig, config: SamplerConfig) -> int
         raise ValueError(f"block size {block_size} was not trained by this checkpoint; choose one of {list(sizes)}")
     if not config.is_ar and block_size == 1:
         usable = [s for s in sizes if s > 1]
+        if not usable:
+            raise ValueError(f"this checkpoint is autoregressive (block sizes {list(sizes)}); choose one of {list(AR_SAMPLERS)}")
         raise ValueError(f"sampler {config.name!r} needs a block size > 1; choose one of {usable} or an AR sampler")
     if config.name == "arpc":
         if 1 not in sizes:
