@@ -2,7 +2,8 @@
 
     blockgen train --preset gsm-masked-mix --out-dir runs/masked-mix --max-steps 2000
     torchrun --nproc_per_node=2 -m blockgen.harness.cli train --preset ci --device cpu
-    blockgen demo                      # the embedded default: train the five demo models
+    blockgen demo                      # the embedded default: train and evaluate the five demo models
+    blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
     blockgen presets                   # list presets and their settings
 """
 
@@ -69,10 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
     demo_p.add_argument("--problems", type=int, default=200, help="held-out test problems per model")
     sub.add_parser("presets", help="list the training presets")
+    sub.add_parser("sample", help="sample from a checkpoint (see `blockgen sample --help`)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sample"]:  # its own parser: `blockgen sample --help`
+        from blockgen.harness.sample import main as sample_main
+
+        return sample_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "presets":
         for name, cfg in PRESETS.items():

@@ -76,9 +76,31 @@ def run_demo(out_dir: str, presets: list[str], max_steps: int | None = None, n_p
             "val_nll_per_token_jensen": val.get("val_nll_jensen"),
             "accuracy": evaluate_checkpoint(checkpoint, n_problems),
         }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps({"provenance": provenance(), "models": summary}, indent=2))
     print_table(summary)
     return summary
+
+
+def provenance() -> dict:
+    """How the numbers were obtained: command, commit, machine, versions, date."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from datetime import datetime, timezone
+
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "command": " ".join(["blockgen", *sys.argv[1:]]),
+        "commit": commit or None,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
+    }
 
 
 def evaluate_checkpoint(checkpoint: Path, n_problems: int) -> dict[str, dict]:

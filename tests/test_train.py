@@ -173,7 +173,8 @@ def test_demo_command_end_to_end(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    row = summary["ci"]
+    assert summary["provenance"]["command"].startswith("blockgen demo")
+    row = summary["models"]["ci"]
     assert row["steps"] == 4 and math.isfinite(row["val_nll_per_token_lse"])
     assert set(row["accuracy"]) == {"ancestral(N8,T0.1)", "arpc(N6,GE3,T0.1)", "ar_greedy"}
     assert all(r["n"] == 8 for r in row["accuracy"].values())
