@@ -38,7 +38,8 @@ from blockgen.tasks.sandbox import (
     run_program,
 )
 
-GSM8K = Path("/work/shared/data/gsm8k/test.json")
+# the real GSM8K test split, in the shared/ folder laid beside the checkout (and beside CI's clone)
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.json"
 FAST = SandboxConfig(
     wall_timeout_s=1.5, cpu_time_s=1, memory_bytes=128 * MiB, max_processes=8, max_open_files=32
 )
