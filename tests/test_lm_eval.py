@@ -195,7 +195,7 @@ def test_bad_model_args_name_the_choices(ckpts, tmp_path):
         assert message in str(err.value), (extra, str(err.value))
     with pytest.raises(CheckpointError, match="does not exist"):
         cls.create_from_arg_string(f"pretrained={tmp_path / 'missing'}", {"device": "cpu"})
-    with pytest.raises(ValueError, match="'arpc' needs a block size > 1"):
+    with pytest.raises(ValueError, match=r"autoregressive \(block sizes \[1\]\); choose one of \['ar_greedy', 'ar_sample'\]"):
         cls.create_from_arg_string(f"pretrained={ckpts['ar']},sampler=arpc", {"device": "cpu"})
     with pytest.raises(ValueError, match="'auto' is not supported"):
         cls.create_from_arg_string(f"pretrained={ckpts['mixture']}", {"device": "cpu", "batch_size": "auto"})
