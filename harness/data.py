@@ -15,7 +15,6 @@ stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling
 from __future__ import annotations
 
 import glob
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
@@ -158,8 +157,3 @@ def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples
     info.update(train_examples=len(train), validation_examples=len(val), source=config.source)
     return train, val, info
 
-
-def write_jsonl(records: Iterable[dict], path: str | Path) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")

@@ -101,8 +101,8 @@ class TrainConfig:
 RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "device", "out_dir"})
 
 
-def _mixture(name_sizes, weights) -> dict:
-    return {"block_sizes": name_sizes, "block_weights": weights}
+def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
+    return {"block_sizes": sizes, "block_weights": weights}
 
 
 # The embedded default's models (paper: gamma_1 = 0.05, gamma_16 = 0.95 for the ARPC mixtures).
@@ -276,11 +276,15 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.main), desc=out.name, dynamic_ncols=True)
     tokens_seen, t0 = 0, time.perf_counter()
 
+    def ema_model() -> BlockGen:
+        """A copy of the model holding the EMA weights (what validation and checkpoints use)."""
+        copied = copy.deepcopy(model)
+        ema.copy_to(copied)
+        return copied
+
     def checkpoint(final: bool) -> None:
         if not d.main:
             return
-        eval_model = copy.deepcopy(model)
-        ema.copy_to(eval_model)
         state = {
             "config": config.to_dict(),
             "model": model.state_dict(),
@@ -289,7 +293,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             "step": step,
             "rng": torch.get_rng_state(),  # noise draws use the global generator: resume exactly
         }
-        save_checkpoint(ckpt_dir, eval_model, tokenizer, state, extra={"step": step, "final": final, "data": data_info})
+        save_checkpoint(ckpt_dir, ema_model(), tokenizer, state, extra={"step": step, "final": final, "data": data_info})
 
     model.train()
     while step < config.max_steps:
@@ -327,9 +331,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t0):.0f}")
         if step % config.eval_every == 0 or step == config.max_steps:
-            eval_model = copy.deepcopy(model)
-            ema.copy_to(eval_model)
-            record.update(validate(eval_model, val_data, config.k_mc, max(micro, 8), d, config.seed))
+            record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
             if d.main:
                 bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
         if d.main:

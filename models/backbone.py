@@ -41,16 +41,6 @@ class BackboneConfig:
         return asdict(self)
 
 
-def paper_config(vocab_size: int) -> BackboneConfig:
-    """12 layers x 768 hidden x 12 heads (about 170M parameters with a 50k vocabulary)."""
-    return BackboneConfig(vocab_size=vocab_size)
-
-
-def tiny_config(vocab_size: int, max_len: int = 256) -> BackboneConfig:
-    """About 2M parameters: trains on two CPU cores in minutes."""
-    return BackboneConfig(vocab_size=vocab_size, n_layers=4, d_model=192, n_heads=4, cond_dim=64, dropout=0.0, max_len=max_len)
-
-
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_len: int, base: float = 10_000.0) -> None:
         super().__init__()

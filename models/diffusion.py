@@ -146,9 +146,6 @@ class UniformPrior:
     def prior_sample(self, shape, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
         return _uniform_like(shape, 0, self.vocab_size, device, generator)
 
-    def is_noise(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(z, dtype=torch.bool)  # every position may have been resampled
-
     def fully_noised(self, shape, device="cpu") -> torch.Tensor:
         """The noisy stream at block size 1 (autoregression): one fixed token (id 0).
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
-from blockgen.models.backbone import KVCache
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import (
     SAMPLERS,
