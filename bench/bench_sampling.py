@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_sampling.py                  # prompt 128 + 512 new tokens, L' = 16
     .venv/bin/python bench/bench_sampling.py --new-tokens 256 --repeats 1
+    .venv/bin/python bench/bench_sampling.py --scaling           # generate() tokens/s vs batch size
 
 For NFE per block in {4, 8, 16} it reports
 - tokens/s of block-by-block ancestral sampling with the KV cache vs recomputing the whole prefix at
@@ -12,6 +13,9 @@ For NFE per block in {4, 8, 16} it reports
   total NFE. The full-sequence run uses a block size the model was never trained on: a timing
   comparison only.
 Model: the tiny project config (vocab 512, 4 layers, d 192, 4 heads; block sizes (1, 16)).
+With `--scaling` it instead reports generate()'s tokens/s at batch 1, 4, 16 and 64 side by side
+(micro and tiny sizes, prompts of mixed lengths 32-64 on the grid layout, 64 new tokens, per-row
+seeds), as a ratio to batch 1: how much batching pays, per-row randomness included.
 EOS is disabled (eos_id = -1) so every run generates exactly the requested tokens.
 """
 
@@ -23,6 +27,7 @@ import time
 
 import torch
 
+from blockgen.harness.train import SIZES
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import SamplerConfig, generate
 
@@ -30,10 +35,11 @@ from blockgen.models.sampling import SamplerConfig, generate
 ARPC_SCHEDULES = {4: (3, 3, 0), 8: (6, 3, 0), 16: (12, 3, 0)}
 
 
-def tiny_model(seq_len: int, prior: str) -> BlockGen:
+def tiny_model(seq_len: int, prior: str, size: str = "tiny") -> BlockGen:
+    shape = SIZES[size]
     config = BlockGenConfig(
         vocab_size=512, seq_len=seq_len, prior=prior, block_sizes=(1, 16), block_weights=(0.05, 0.95),
-        n_layers=4, d_model=192, n_heads=4, cond_dim=64, dropout=0.0,
+        n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads, cond_dim=shape.cond_dim, dropout=0.0,
     )
     model = BlockGen(config).eval()
     with torch.no_grad():  # non-trivial outputs (the final layer is zero-initialised)
@@ -56,6 +62,35 @@ def timed(model, prompts, runs: dict[str, tuple[SamplerConfig, dict]], repeats: 
     return best
 
 
+def scaling(batches: list[int], repeats: int, prior: str) -> None:
+    """generate() tokens/s at several batch sizes, side by side, as a ratio to batch 1."""
+    new_tokens, lengths = 64, (32, 64)
+    samplers = {"arpc(3,3,0)": SamplerConfig("arpc", steps=3, ge=3, max_new_tokens=new_tokens),
+                "ancestral N4": SamplerConfig("ancestral", steps=4, max_new_tokens=new_tokens),
+                "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=new_tokens)}
+    gen = torch.Generator().manual_seed(0)
+    pool = [torch.randint(0, 512, (int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(max(batches))]
+    print(f"generate() batch scaling: prompts of {lengths[0]}-{lengths[1]} tokens, {new_tokens} new tokens, "
+          f"L' = 16, grid layout, per-row seeds, {torch.get_num_threads()} threads, best of {repeats}")
+    header = ["model", "sampler"] + [f"b{b} tok/s" for b in batches] + [f"b{b}/b1" for b in batches[1:]] + ["load1"]
+    print(" | ".join(f"{h:>13}" for h in header))
+    for size in ("micro", "tiny"):
+        model = tiny_model(lengths[1] + new_tokens, prior, size)
+        generate(model, pool[:2], SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0)  # warm-up
+        for name, config in samplers.items():
+            best = {b: float("inf") for b in batches}
+            for _ in range(repeats):  # round-robin over batch sizes: machine load hits each alike
+                for b in batches:
+                    start = time.perf_counter()
+                    generate(model, pool[:b], config, -1, 0, seeds=list(range(b)))
+                    best[b] = min(best[b], time.perf_counter() - start)
+            rate = {b: b * new_tokens / best[b] for b in batches}
+            cells = [size, name] + [f"{rate[b]:.0f}" for b in batches] + [f"{rate[b] / rate[batches[0]]:.2f}" for b in batches[1:]]
+            cells.append(f"{os.getloadavg()[0]:.2f}")
+            print(" | ".join(f"{c:>13}" for c in cells))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -66,9 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-full", action="store_true", help="skip the full-sequence comparison")
+    parser.add_argument("--scaling", action="store_true", help="only the batch-size table (micro and tiny models)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="with --scaling")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.scaling:
+        with torch.inference_mode():
+            scaling(args.batch_sizes, args.repeats, args.prior)
+        return
     torch.manual_seed(0)
     block = 16
     model = tiny_model(args.prompt_len + args.new_tokens, args.prior)
@@ -87,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
             runs = {"cached": (anc, {}), "uncached": (anc, {"use_cache": False}), "arpc": (arpc, {})}
             if not args.skip_full:  # one block of all new tokens, the same total number of calls
                 total = nfe * (args.new_tokens // block)
-                full = SamplerConfig("ancestral", steps=total, block_size=args.new_tokens, max_new_tokens=args.new_tokens)
+                full = SamplerConfig(  # one block right after the prompt: the grid would put the prompt inside it
+                    "ancestral", steps=total, block_size=args.new_tokens, max_new_tokens=args.new_tokens, layout="prompt_end"
+                )
                 runs["full"] = (full, {"validate": False})
             t = timed(model, prompts, runs, args.repeats)
             (t_cached, c_cached), (t_plain, _), (t_arpc, c_arpc) = t["cached"], t["uncached"], t["arpc"]

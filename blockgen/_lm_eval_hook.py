@@ -3,10 +3,10 @@
 lm-eval 0.4.13 discovers neither models nor tasks from installed packages. A one-line ``.pth``
 file, installed into site-packages with this package (see ``blockgen/_pth_build.py``), calls
 `install()` whenever Python starts, so this module stays small and imports nothing. `install()`
-puts a finder at the front of ``sys.meta_path`` that waits for two lm-eval modules and, right
+puts a finder at the front of ``sys.meta_path`` that waits for three lm-eval modules and, right
 after each has executed, hands it to `blockgen.lm_eval` (which does the registering):
-``lm_eval.api.registry`` -> ``register_model``, ``lm_eval.tasks.manager`` -> ``add_task_dir``.
-Once both have been seen the finder removes itself.
+``lm_eval.api.registry`` -> ``register_model``, ``lm_eval.tasks.manager`` -> ``add_task_dir``,
+``lm_eval.evaluator`` -> ``check_before_evaluate``. Once all have been seen the finder removes itself.
 
 A failure here must never break Python or lm-eval: it becomes a warning. ``BLOCKGEN_LM_EVAL_HOOK=0``
 in the environment turns the hook off (``python -m blockgen.lm_eval`` registers by itself).
@@ -16,7 +16,8 @@ import os
 import sys
 
 # lm-eval module -> the function of blockgen.lm_eval that is called with it once it has executed
-WATCHED = {"lm_eval.api.registry": "register_model", "lm_eval.tasks.manager": "add_task_dir"}
+WATCHED = {"lm_eval.api.registry": "register_model", "lm_eval.tasks.manager": "add_task_dir",
+           "lm_eval.evaluator": "check_before_evaluate"}
 
 
 def _warn(what: str, err: Exception) -> None:
@@ -49,7 +50,7 @@ class _AfterExec:
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         _run(self._name, module)
-        if not self._finder.pending:  # both seen: stop looking at every import
+        if not self._finder.pending:  # all seen: stop looking at every import
             self._finder.uninstall()
 
     def __getattr__(self, attr: str):  # get_source, get_resource_reader, ... as the real loader

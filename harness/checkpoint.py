@@ -62,6 +62,18 @@ def save_checkpoint(
     return directory
 
 
+def finish_interrupted_save(directory: str | Path) -> None:
+    """Complete a save that was killed between its two renames (only `.old` and `.tmp` exist).
+
+    The `.tmp` directory is renamed into place only after it is complete, and `.old` exists only
+    from that moment on, so `.old` without `directory` means `.tmp` is a whole checkpoint.
+    """
+    directory = Path(directory)
+    tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
+    if not directory.exists() and old.is_dir() and tmp.is_dir():
+        os.rename(tmp, directory)
+
+
 def read_config(directory: str | Path) -> BlockGenConfig:
     path = Path(directory) / CONFIG
     if not path.is_file():

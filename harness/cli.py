@@ -5,6 +5,8 @@
     blockgen demo                      # the embedded default: train and evaluate the five demo models
     blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
     blockgen presets                   # list presets and their settings
+    blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
+    blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot board.json
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
 
 from blockgen.harness.train import DEMO_PRESETS, PRESETS, TrainConfig, preset
+from blockgen.harness.train_scorer import ScorerTrainConfig
 
 
 def _is_optional(tp) -> tuple[bool, Any]:
@@ -70,7 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
     demo_p.add_argument("--problems", type=int, default=200, help="held-out test problems per model")
     sub.add_parser("presets", help="list the training presets")
+    scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
+    add_dataclass_options(scorer_p, ScorerTrainConfig)
     sub.add_parser("sample", help="sample from a checkpoint (see `blockgen sample --help`)", add_help=False)
+    hub_p = sub.add_parser("hub-check", help="exit 1 with a message unless the hub serves the given datasets and models")
+    hub_p.add_argument("--datasets", nargs="*", default=[])
+    hub_p.add_argument("--models", nargs="*", default=[])
+    hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
+    sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot (see `blockgen leaderboard --help`)", add_help=False)
     return parser
 
 
@@ -80,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         from blockgen.harness.sample import main as sample_main
 
         return sample_main(argv[1:])
+    if argv[:1] == ["leaderboard"]:  # its own parser: `blockgen leaderboard add|show|plot`
+        from blockgen.harness.leaderboard import main as leaderboard_main
+
+        return leaderboard_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "presets":
         for name, cfg in PRESETS.items():
@@ -90,6 +104,23 @@ def main(argv: list[str] | None = None) -> int:
 
         config = config_from_args(args)
         print(f"checkpoint: {train(config)}")
+        return 0
+    if args.command == "train-scorer":
+        from blockgen.harness.train_scorer import train_scorer
+
+        given = {k: v for k, v in vars(args).items() if k != "command"}
+        data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
+        base = ScorerTrainConfig()
+        print(f"scorer: {train_scorer(replace(base, **given, data=replace(base.data, **data_over)))}")
+        return 0
+    if args.command == "hub-check":
+        from blockgen.harness.hub import HubUnavailableError, check_reachable
+
+        try:
+            check_reachable(args.datasets, args.models)
+        except HubUnavailableError as err:
+            print(f"blockgen: the Hugging Face hub is needed here and unreachable: {err}.\n{args.hint}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "demo":
         from blockgen.harness.demo import run_demo

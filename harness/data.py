@@ -6,7 +6,13 @@ Sources (`DataConfig.source`):
 - "tinygsm": the hub dataset TinyGSM/TinyGSM (fields `question`, `code`), or local JSON/JSONL
   files of the same schema (`path`);
 - "owt": OpenWebText (`text`), documents joined with EOS and cut into `seq_len` chunks, the last
-  100k documents held out for validation; or local files of the same schema.
+  100k documents held out for validation; or local files of the same schema;
+- "text": offline English text every Python has, the documentation topics of `pydoc_data.topics`
+  (or local files, `path`), laid out as OWT; a document is held out when a stable hash of its text
+  says so (one in ten), so the split does not depend on file order.
+
+`document_split` is the one definition of the document sources' train / held-out split: training's
+validation and the `owt_ppl` / `owt_genppl` tasks both read it.
 
 Word problems become `[BOS] question SEP code [EOS] PAD...`: no loss on the question, which also
 stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling time.
@@ -15,6 +21,8 @@ stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
@@ -24,15 +32,17 @@ import torch
 from blockgen.harness.hub import hub_call
 from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
 
-SOURCES = ("embedded", "tinygsm", "owt")
+SOURCES = ("embedded", "tinygsm", "owt", "text")
+DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into chunks
 OWT_VALIDATION_DOCS = 100_000
+TEXT_HELD_OUT_ONE_IN = 10  # "text": a document is held out when its hash is 0 modulo this
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["embedded", "tinygsm", "owt"] = "embedded"
-    tokenizer: str = "embedded"  # "embedded" (train a BPE locally), a local directory or a hub name
-    path: str | None = None  # local JSON/JSONL files with the hub schema, instead of the hub
+    source: Literal["embedded", "tinygsm", "owt", "text"] = "embedded"
+    tokenizer: str = "embedded"  # "embedded" (train a BPE on the source locally), a local directory or a hub name
+    path: str | None = None  # local files instead of the hub (JSON/JSONL with the hub schema; "text": also plain text)
     n_train: int = 50_000  # embedded: number of generated training problems
     n_val: int = 256  # validation examples
     vocab_size: int = 1024  # embedded BPE vocabulary
@@ -103,16 +113,29 @@ def chunk_documents(texts: Iterable[str], tokenizer, special: SpecialTokens, seq
 
 
 def embedded_tokenizer(config: DataConfig):
-    """The BPE trained on the embedded training problems, cached under cache_dir."""
+    """A BPE trained locally on the source's training text, cached under cache_dir.
+
+    Word problems ("embedded"): questions and programs of generated training problems. Other
+    sources: the training documents of `document_split` (the cache key hashes them, so other text
+    gets another tokenizer).
+    """
     from transformers import PreTrainedTokenizerFast
 
-    from blockgen.harness.wordproblems import generate
+    if config.source == "embedded":
+        from blockgen.harness.wordproblems import generate
 
-    directory = Path(config.cache_dir) / f"tokenizer-v{config.vocab_size}-s{config.seed}"
+        problems = generate("train", min(config.n_train, 20_000), seed=config.seed)
+        texts = [p.question for p in problems] + [p.code for p in problems]
+        directory = Path(config.cache_dir) / f"tokenizer-v{config.vocab_size}-s{config.seed}"
+    else:
+        texts = document_split(config)[0] if config.source in DOCUMENT_SOURCES else None
+        if texts is None:
+            raise ValueError(f"tokenizer='embedded' trains on the embedded word problems or a document source "
+                             f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
+        digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
+        directory = Path(config.cache_dir) / f"tokenizer-{config.source}-{digest}-v{config.vocab_size}"
     if (directory / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    problems = generate("train", min(config.n_train, 20_000), seed=config.seed)
-    texts = [p.question for p in problems] + [p.code for p in problems]
     return train_bpe(texts, config.vocab_size, directory)
 
 
@@ -129,6 +152,61 @@ def _hub_or_local(name: str, config: DataConfig, split: str | None = None, **kwa
         files = sorted(glob.glob(config.path)) or [config.path]  # a file, or a pattern like "dir/*.jsonl"
         return load_dataset("json", data_files=files, split="train")
     return hub_call(lambda: load_dataset(name, split=split, **kwargs), f"dataset {name}")
+
+
+def _stable_fraction_held_out(text: str) -> bool:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") % TEXT_HELD_OUT_ONE_IN == 0
+
+
+def _local_documents(pattern: str) -> list[str]:
+    """Documents of local files: JSON/JSONL records with a `text` field, any other file one document."""
+    files = sorted(glob.glob(pattern)) or [pattern]
+    docs: list[str] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"data path {pattern!r}: no such file")
+        raw = path.read_text(encoding="utf-8")
+        if path.suffix not in (".json", ".jsonl"):
+            docs.append(raw)
+            continue
+        try:  # a JSON array (or one object), else JSON lines, as the hub's `json` loader reads them
+            records = json.loads(raw)
+            records = records if isinstance(records, list) else [records]
+        except json.JSONDecodeError:
+            records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        docs.extend(r["text"] for r in records)
+    return docs
+
+
+def document_split(config: DataConfig) -> tuple[list[str], list[str]]:
+    """(training documents, held-out documents) of a document source ("owt" or "text").
+
+    "owt": the last 100k documents are held out (local files: the last tenth, at most 100k).
+    "text": `pydoc_data.topics` in topic order (or local files); a document is held out when the
+    SHA-256 of its text is 0 modulo 10, so the split is the same on every machine and in any order.
+    """
+    if config.source == "owt":
+        if config.path is not None:
+            texts = _local_documents(config.path)
+        else:
+            texts = _hub_or_local("Skylion007/openwebtext", config, split="train")["text"]
+        held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10) if config.path else OWT_VALIDATION_DOCS
+        return texts[: len(texts) - held_out], texts[len(texts) - held_out :]
+    if config.source == "text":
+        if config.path is None:
+            from pydoc_data.topics import topics
+
+            texts = [topics[name] for name in sorted(topics)]
+        else:
+            texts = _local_documents(config.path)
+        train = [t for t in texts if not _stable_fraction_held_out(t)]
+        held_out = [t for t in texts if _stable_fraction_held_out(t)]
+        if not train or not held_out:
+            raise ValueError(f"source 'text' ({config.path or 'pydoc_data.topics'}): {len(texts)} documents give "
+                             f"{len(train)} for training and {len(held_out)} held out; both need at least one")
+        return train, held_out
+    raise ValueError(f"source {config.source!r} has no document split; document sources: {list(DOCUMENT_SOURCES)}")
 
 
 def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples, Examples, dict]:
@@ -148,12 +226,10 @@ def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples
         val, _ = encode_problems(records[len(records) - n_val :], tokenizer, special, seq_len)
         info = {"dropped_too_long": dropped}
     else:
-        data = _hub_or_local("Skylion007/openwebtext", config, split="train")
-        texts = data["text"]
-        held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10) if config.path else OWT_VALIDATION_DOCS
-        train = chunk_documents(texts[: len(texts) - held_out], tokenizer, special, seq_len)
-        val = chunk_documents(texts[len(texts) - held_out :], tokenizer, special, seq_len)[: config.n_val]
-        info = {"validation_documents": held_out}
+        train_docs, held_out = document_split(config)
+        train = chunk_documents(train_docs, tokenizer, special, seq_len)
+        val = chunk_documents(held_out, tokenizer, special, seq_len)[: config.n_val]
+        info = {"validation_documents": len(held_out)}
     info.update(train_examples=len(train), validation_examples=len(val), source=config.source)
     return train, val, info
 

@@ -12,9 +12,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from blockgen.harness.checkpoint import load_checkpoint
+from blockgen.harness.checkpoint import read_config
 from blockgen.harness.train import preset, train
-from blockgen.harness.wordproblem_eval import embedded_test_problems, evaluate_problems
+from blockgen.harness.wordproblem_eval import evaluate_embedded
 from blockgen.models.sampling import SamplerConfig
 
 # Low temperature matters for tiny diffusion models (../shared/REFERENCE.md calibration); NFE per
@@ -29,6 +29,11 @@ MIXTURE_SAMPLERS = (
     SamplerConfig("ar_greedy"),
 )
 AR_SAMPLERS = (SamplerConfig("ar_greedy"),)
+# Tokens each answer may take (5 blocks of 16), leaving 48 of the demo's 128 for the prompt
+# (lm-eval's convention: a fixed generation budget, the prompt cut from the left to fit, counted).
+# Of the first 500 test problems with the demo's tokenizer, 80 is the budget under which the most
+# have both their question and their reference program fit: 362 (64: 330, 96: 100).
+DEMO_MAX_GEN_TOKS = 80
 
 
 def samplers_for(block_sizes: tuple[int, ...]) -> tuple[SamplerConfig, ...]:
@@ -104,16 +109,21 @@ def provenance() -> dict:
 
 
 def evaluate_checkpoint(checkpoint: Path, n_problems: int) -> dict[str, dict]:
-    """Accuracy of each sampler that fits the model on generated held-out test problems."""
-    model, tokenizer = load_checkpoint(checkpoint)
-    problems = embedded_test_problems(tokenizer, model.config.seq_len, n_problems)
+    """Accuracy of each sampler that fits the model on generated held-out test problems, from the
+    lm-eval task gsm8k_code_embedded (the same run as `lm_eval --tasks gsm8k_code_embedded`)."""
     reports = {}
-    for sampler in samplers_for(model.config.block_sizes):
-        report = evaluate_problems(model, tokenizer, problems, sampler)
-        reports[sampler_label(sampler)] = report.to_dict()
-        print(f"  {sampler_label(sampler):<28} accuracy {report.accuracy:.1%} ({report.correct}/{report.n}), "
-              f"model calls/block {report.model_calls_per_block:.2f} (paper NFE label {report.paper_nfe_per_block})")
+    for sampler in samplers_for(read_config(checkpoint).block_sizes):
+        report = evaluate_embedded(checkpoint, sampler, n_problems, max_gen_toks=DEMO_MAX_GEN_TOKS)
+        reports[sampler_label(sampler)] = report
+        print(f"  {sampler_label(sampler):<28} accuracy {_pct(report['accuracy'])} of {report['n']} "
+              f"(in distribution {_pct(report['accuracy_in_distribution'])}, held-out structures "
+              f"{_pct(report['accuracy_heldout'])}), model calls/block {report['model_calls_per_block']:.2f} "
+              f"(paper NFE label {report['paper_nfe_per_block']}), prompts truncated {report['truncated_prompts']}")
     return reports
+
+
+def _pct(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
 
 
 def print_table(summary: dict[str, dict]) -> None:

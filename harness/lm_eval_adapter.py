@@ -4,18 +4,27 @@
 
 - ``loglikelihood`` / ``loglikelihood_rolling``: the log-sum-exp bound over the checkpoint's block
   sizes (paper appendix C), per scored window: the window's prefix stays clean in the noisy stream
-  (``condition_mask``), positions start at 0 and blocks sit at multiples of L' as in training, and
-  only the scored tokens carry loss. A window is at most ``seq_len`` tokens; longer inputs are
-  left-truncated (loglikelihood) or cut into lm-eval's disjoint rolling windows (each token scored
-  once). ``is_greedy`` comes from the AR pass (block size 1); without block size 1 in the mixture
-  it is always False.
+  (``condition_mask``), positions start at 0 and blocks sit at multiples of L' as in training (the
+  last block may be partial), and only the scored tokens carry loss. Windows of one batch are padded
+  to a common length, and the padding is invisible to every real token (`DiT.forward_train`'s
+  ``valid``), so a score depends on the request's tokens only. A window is at most ``seq_len``
+  tokens; longer inputs are left-truncated (loglikelihood, with a warning) or cut into lm-eval's
+  disjoint rolling windows (each token scored once). ``is_greedy`` comes from the AR pass (block
+  size 1); without block size 1 in the mixture it is always False.
 - ``generate_until``: any sampler of `blockgen.models.sampling`, chosen by model arguments and
-  overridable per task through ``gen_kwargs``.
+  overridable per task through ``gen_kwargs``; requests are batched (``--batch_size``) with
+  lm-eval's `Collator`, grouped by task and sampler settings, longest prompt first.
 
-Reproducibility: every scored window and every generation request draws from its own
-``torch.Generator``, seeded from the ``seed`` argument and the request's own tokens, so a result
-does not depend on the batch it was computed in, nor on how torchrun split the work. This is why
-generation runs one request per sampler call: the sampler draws a whole batch from one generator.
+Reproducibility: every scored window and every generation request draws from its own generator,
+seeded from the run's seed and the request, so a result does not depend on the batch it ran in nor
+on how torchrun split the work. Log-likelihood windows are seeded by their context only and draw at
+fixed positions (`PositionalRowGenerators`): the choices of one multiple-choice question see the
+same times and the same noise at the same positions (common random numbers), so the differences
+between choices are not drowned by draw-to-draw noise.
+
+Monte Carlo error: each log-likelihood's standard error is estimated from its K_MC draws by the
+delta method (`mc_variance`); the results JSON reports it per request and its effect on which
+choice wins (``config.blockgen.tasks``, see `Usage`).
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ import json
 import logging
 import math
 import os
+import statistics
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable, NamedTuple
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
@@ -38,15 +50,18 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from blockgen.harness.checkpoint import (
+    CONFIG,
     CheckpointError,
     checkpoint_hash,
     checkpoint_special_tokens,
     load_checkpoint,
     read_config,
 )
+from blockgen.models.diffusion import RowGenerators
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.objectives import jensen_bound, lse_bound, noisy_forward
+from blockgen.models.objectives import jensen_bound, lse_bound, sequence_nll_draws
 from blockgen.models.sampling import (
+    AR_SAMPLERS,
     SamplerConfig,
     check_config,
     generate,
@@ -56,6 +71,10 @@ from blockgen.models.sampling import (
 )
 
 log = logging.getLogger(__name__)
+
+# `--batch_size auto` on a CPU: the model is small enough that memory is never the limit; 16 rows
+# already amortise the per-call overhead of the micro and tiny models (bench/bench_generate.py).
+AUTO_BATCH_SIZE_CPU = 16
 
 
 # ------------------------------------------------------------------------------ model arguments
@@ -67,42 +86,48 @@ class BlockGenLMArgs:
 
     pretrained: str  # checkpoint directory (config.json, model.safetensors, tokenizer files)
     k_mc: int = 8  # Monte Carlo draws per block size for the likelihood bound
-    seed: int = 0
+    seed: int | None = None  # None: the torch seed lm-eval set from --seed
     add_bos: bool = True  # start every context and prompt with BOS, as training examples do
-    sampler: str | None = None  # None: 'ancestral' (diffusion checkpoints) or 'ar_greedy' (block_sizes == (1,))
+    sampler: str | None = None  # None: 'ancestral', or for AR checkpoints 'ar_greedy' / 'ar_sample'
     steps: int | None = None  # reverse steps per block (NFE of ancestral/eipc); None: the block size
     ge: int = 1
     warmup: int = 0
-    temperature: float = 1.0
+    temperature: float | None = None  # None: 1.0 (AR checkpoints: greedy unless a task asks to sample)
     block_size: int | None = None  # None: the checkpoint's largest block size
     max_gen_toks: int | None = None  # None: min(256, seq_len // 2)
-    batch_size: int = 1
+    layout: str = "grid"  # where generated blocks sit: 'grid' (training's) or 'prompt_end'
+    # set by lm-eval from --batch_size / --device / --max_batch_size, not by the user
+    batch_size: int | str = 1
     device: str | None = None
-    max_batch_size: int | None = None  # lm-eval passes it for batch_size=auto; unused
+    max_batch_size: int | None = None
+
+    @classmethod
+    def user_args(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name not in ("batch_size", "device", "max_batch_size")]
 
     @classmethod
     def parse(cls, kwargs: dict[str, Any]) -> "BlockGenLMArgs":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown blockgen model argument(s) {unknown}; valid: {sorted(known)}")
+            raise ValueError(f"unknown blockgen model argument(s) {unknown}; valid: {cls.user_args()}")
         if kwargs.get("pretrained") in (None, ""):
             raise ValueError("blockgen needs pretrained=<checkpoint directory> in --model_args")
         values = {k: v for k, v in kwargs.items() if v is not None}
         if "batch_size" in values:
             values["batch_size"] = _batch_size(values["batch_size"])
         args = cls(**values)
-        for name, low in (("k_mc", 1), ("ge", 1), ("warmup", 0), ("batch_size", 1)):
+        for name, low in (("k_mc", 1), ("ge", 1), ("warmup", 0)):
             _check_int(name, getattr(args, name), low)
-        _check_int("seed", args.seed, None)
-        for name in ("steps", "block_size", "max_gen_toks"):
+        for name, low in (("seed", None), ("steps", 1), ("block_size", 1), ("max_gen_toks", 1)):
             if getattr(args, name) is not None:
-                _check_int(name, getattr(args, name), 1)
-        if not isinstance(args.temperature, (int, float)) or isinstance(args.temperature, bool):
+                _check_int(name, getattr(args, name), low)
+        if args.temperature is not None and (not isinstance(args.temperature, (int, float)) or isinstance(args.temperature, bool)):
             raise ValueError(f"temperature={args.temperature!r}; must be a number")
         if not isinstance(args.add_bos, bool):
             raise ValueError(f"add_bos={args.add_bos!r}; must be true or false")
-        return replace(args, pretrained=str(args.pretrained), temperature=float(args.temperature))
+        temperature = None if args.temperature is None else float(args.temperature)
+        return replace(args, pretrained=str(args.pretrained), temperature=temperature)
 
 
 def _check_int(name: str, value: Any, low: int | None) -> None:
@@ -110,18 +135,21 @@ def _check_int(name: str, value: Any, low: int | None) -> None:
         raise ValueError(f"{name}={value!r}; must be an integer" + (f" >= {low}" if low is not None else ""))
 
 
-def _batch_size(value: Any) -> int:
+def _batch_size(value: Any) -> int | str:
+    """A positive integer, or 'auto' (lm-eval's 'auto:N' re-detects N times; one detection suffices here)."""
     if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(f"batch_size={value!r}; blockgen needs a positive integer ('auto' is not supported)")
+    if isinstance(value, str) and value.strip().split(":")[0] == "auto":
+        return "auto"
+    raise ValueError(f"batch_size={value!r}; choose a positive integer or 'auto'")
 
 
 # Generation settings a task's gen_kwargs may override, and the SamplerConfig field each one sets.
-GEN_KWARGS = {"sampler": "name", "steps": "steps", "ge": "ge", "warmup": "warmup",
-              "temperature": "temperature", "block_size": "block_size", "max_gen_toks": "max_new_tokens"}
-# lm-eval's generic keys: `until` is honoured; `do_sample: false` (or temperature 0) asks for greedy.
+GEN_KWARGS = {"sampler": "name", "steps": "steps", "ge": "ge", "warmup": "warmup", "temperature": "temperature",
+              "block_size": "block_size", "max_gen_toks": "max_new_tokens", "layout": "layout"}
+# lm-eval's generic keys: `until` is honoured; `do_sample` / temperature choose greedy or sampled AR.
 GENERIC_GEN_KWARGS = {"until", "do_sample"}
 
 
@@ -145,6 +173,9 @@ class WindowScore(NamedTuple):
     lse: float  # log-sum-exp NLL bound (the reported one)
     jensen: float  # the looser mixture bound sum_i gamma_i NLL_i
     greedy: bool  # every scored token is the AR argmax (False without block size 1)
+    # Per block size, its K draws linearised around the bound: pi_i * NLL_{i,k}, with pi_i = dLSE/dNLL_i
+    # the posterior weight of size i. Their sample variances give the MC variance (`mc_variance`).
+    terms: tuple[tuple[float, ...], ...] = ()
 
 
 def windows(context: list[int], target: list[int], seq_len: int) -> list[Window]:
@@ -163,28 +194,23 @@ def windows(context: list[int], target: list[int], seq_len: int) -> list[Window]
     return [Window(tuple(ctx + pred), len(ctx)) for ctx, pred in map(make_disjoint_window, rolling)]
 
 
-class _RowNoise:
-    """The model's prior, but each batch row is noised from its own generator and only over its own length.
+class PositionalRowGenerators(RowGenerators):
+    """Per-row generators whose every draw covers positions 0..width-1, whatever the batch width.
 
-    So a row's draws (and its bound) are exactly those of the row scored alone, whatever else is
-    in the batch. Positions past a row's length (batch padding: whole blocks after the row's own
-    blocks, which no earlier block can see) stay as they are.
+    Row i's draw at position p then depends only on its seed and p, not on the row's length or the
+    batch: two windows with one seed (the choices of one context) get the same times and the same
+    noise at the same positions, i.e. common random numbers.
     """
 
-    def __init__(self, prior, generators: list[torch.Generator], lengths: list[int]) -> None:
-        self._prior = prior
-        self._generators = generators
-        self._lengths = lengths
+    def __init__(self, seeds: Sequence[int], width: int) -> None:
+        super().__init__(seeds)
+        self.width = width
 
-    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator=None) -> torch.Tensor:
-        z = x.clone()
-        alpha = alpha.expand(x.shape[0], *alpha.shape[1:])
-        for j, (g, n) in enumerate(zip(self._generators, self._lengths)):
-            z[j : j + 1, :n] = self._prior.noise(x[j : j + 1, :n], alpha[j : j + 1], generator=g)
-        return z
-
-    def __getattr__(self, name: str):
-        return getattr(self._prior, name)
+    def uniform(self, shape: Sequence[int], device=None) -> torch.Tensor:
+        shape = tuple(shape)
+        if len(shape) < 2:  # one draw per row (the time offset u)
+            return super().uniform(shape, device)
+        return super().uniform((shape[0], self.width, *shape[2:]), device)[:, : shape[1]]
 
 
 class _KeepARLogits:
@@ -194,8 +220,8 @@ class _KeepARLogits:
         self._dit = dit
         self.ar_logits: torch.Tensor | None = None
 
-    def forward_train(self, x0: torch.Tensor, xt: torch.Tensor, block_size: int) -> torch.Tensor:
-        logits = self._dit.forward_train(x0, xt, block_size)
+    def forward_train(self, x0, xt, block_size: int, valid=None) -> torch.Tensor:
+        logits = self._dit.forward_train(x0, xt, block_size, valid)
         if block_size == 1:
             self.ar_logits = logits
         return logits
@@ -205,79 +231,232 @@ class _KeepARLogits:
 def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: int, pad_id: int) -> list[WindowScore]:
     """The bounds of a batch of windows; each window's result is that of the window scored alone.
 
-    Mirrors `BlockGen.nll_bounds` (`sequence_nll` per block size, then `lse_bound`/`jensen_bound`),
-    with one generator per window: at batch size 1 the two give the same numbers from the same seed.
+    Each window runs at its own length (the batch is padded, the padding invisible: `valid`) and
+    draws from its own `PositionalRowGenerators` row: `BlockGen.nll_bounds` on the unpadded window
+    with that generator gives the same numbers.
     """
     device = next(model.parameters()).device
     sizes, weights = model.mixture.sizes, model.mixture.weights
-    unit = math.lcm(*sizes)  # each row is padded to whole blocks of every size (unit divides seq_len)
-    lengths = [-(-len(w.tokens) // unit) * unit for w in batch]
-    width = max(lengths)
+    width = max(len(w.tokens) for w in batch)
     x = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    condition = torch.zeros_like(x, dtype=torch.bool)
-    scored = torch.zeros_like(x, dtype=torch.bool)
+    valid = torch.zeros_like(x, dtype=torch.bool)
+    condition = torch.zeros_like(valid)
+    scored = torch.zeros_like(valid)
     for j, w in enumerate(batch):
         x[j, : len(w.tokens)] = torch.tensor(w.tokens)
+        valid[j, : len(w.tokens)] = True
         condition[j, : w.n_context] = True
         scored[j, w.n_context : len(w.tokens)] = True
-    x, condition, scored = x.to(device), condition.to(device), scored.to(device)
-    generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    prior = _RowNoise(model.prior, generators, lengths)
+    x, valid, condition, scored = x.to(device), valid.to(device), condition.to(device), scored.to(device)
+    generators = PositionalRowGenerators(seeds, model.config.seq_len)
     dit = _KeepARLogits(model.dit)
-
-    per_size = []
-    for size in sizes:
-        draws = 1 if size == 1 else k_mc  # block size 1 is exact
-        u = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])
-        total = torch.zeros(len(batch), dtype=torch.float64, device=device)
-        for k in range(draws):  # K_MC times stratified over [t_min, 1], as sequence_nll does
-            t = model.schedule.t_from_uniform((u + k / draws) % 1.0)
-            loss = noisy_forward(dit, prior, x, size, t, model.schedule, condition, objective="nelbo")
-            total += (loss.double() * scored).sum(-1)
-        per_size.append(total / draws)
-    nll = torch.stack(per_size)
+    draws = [sequence_nll_draws(dit, model.prior, x, scored, size, k_mc, model.schedule, condition, generators, valid)
+             for size in sizes]  # per size (K_i, B), K_i = 1 at block size 1 (exact)
+    nll = torch.stack([d.mean(0) for d in draws])
     lse, jensen = lse_bound(nll, weights), jensen_bound(nll, weights)
+    log_w = torch.log(torch.tensor(weights, dtype=torch.float64, device=device))[:, None]
+    posterior = torch.softmax(log_w - nll, dim=0)  # d lse / d NLL_i
+    # exact sizes (one draw at block size 1) carry no MC error: no terms
+    terms = [[tuple((posterior[i, j] * d[:, j]).tolist()) if size > 1 else () for i, (size, d) in enumerate(zip(sizes, draws))]
+             for j in range(len(batch))]
     if dit.ar_logits is not None:
         argmax = dit.ar_logits[..., : model.prior.vocab_size].argmax(-1)  # real vocabulary only
         greedy = ((argmax == x) | ~scored).all(-1).tolist()
     else:
         greedy = [False] * len(batch)
-    return [WindowScore(a, b, g) for a, b, g in zip(lse.tolist(), jensen.tolist(), greedy)]
+    return [WindowScore(a, b, g, tuple(t)) for a, b, g, t in zip(lse.tolist(), jensen.tolist(), greedy, terms)]
+
+
+def mc_variance(terms: Sequence[Sequence[float]]) -> float:
+    """Delta-method MC variance of a bound from its linearised draws: sum_i var_k(terms_i) / K_i.
+
+    Exact sizes (block size 1: no draws listed) add nothing. The K draws of a size are stratified in
+    t, so their sample variance somewhat overstates the estimator's: the error bar is conservative.
+    NaN when a size has a single draw (k_mc = 1): nothing to estimate the spread from.
+    """
+    total = 0.0
+    for draws in terms:
+        if len(draws) == 1:
+            return math.nan
+        if draws:
+            total += statistics.variance(draws) / len(draws)
+    return total
+
+
+class RequestScore(NamedTuple):
+    logp: float
+    greedy: bool
+    windows: tuple[WindowScore, ...]
+
+    @property
+    def mc_stderr(self) -> float:
+        return math.sqrt(sum(mc_variance(w.terms) for w in self.windows))
+
+
+def paired_mc_stderr(a: RequestScore, b: RequestScore) -> float:
+    """MC standard error of logp(a) - logp(b). Single windows of one context share their draws
+    (common random numbers): the variance comes from the paired differences; otherwise they add."""
+    if len(a.windows) == len(b.windows) == 1 and len(a.windows[0].terms) == len(b.windows[0].terms):
+        diff = [tuple(x - y for x, y in zip(ta, tb)) for ta, tb in zip(a.windows[0].terms, b.windows[0].terms)]
+        return math.sqrt(mc_variance(diff))
+    return math.hypot(a.mc_stderr, b.mc_stderr)
+
+
+def seed_disagreement(scores: Sequence[RequestScore]) -> float:
+    """Probability that a run with another seed picks another winner among one doc's choices.
+
+    Normal approximation on the top two: their margin m and its paired MC standard error s, with m
+    taken as the true margin; two independent runs disagree with probability 2 Phi(m/s) Phi(-m/s).
+    """
+    top, second = sorted(scores, key=lambda s: -s.logp)[:2]
+    s = paired_mc_stderr(top, second)
+    if s == 0 or math.isnan(s):
+        return 0.0 if s == 0 else math.nan
+    phi = statistics.NormalDist().cdf((top.logp - second.logp) / s)
+    return 2 * phi * (1 - phi)
+
+
+# ------------------------------------------------------------------ what a run actually used
+
+
+class Usage:
+    """What a run really did, per task: requests and truncation, generation settings and model calls,
+    Monte Carlo error of the log-likelihoods. Merged across torchrun ranks and reported under
+    ``config.blockgen.tasks`` of the results JSON (`report`; the key names are listed in the README).
+    """
+
+    COUNTS = ("requests", "truncated_requests", "truncated_tokens")
+    GENERATION = ("requests", "model_calls", "blocks", "generated_tokens")
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, request type)
+        self.generation: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, settings as JSON)
+        self.stderr: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(dict)  # doc -> per request
+        self.disagreement: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)  # doc -> probability
+        self.k_mc: int | None = None
+
+    def request(self, task: str, kind: str, dropped: int) -> None:
+        self.counts[task, kind].update(requests=1, truncated_requests=int(dropped > 0), truncated_tokens=dropped)
+
+    def generated(self, task: str, settings: dict, result, requests: int) -> None:
+        self.generation[task, json.dumps(settings, sort_keys=True)].update(
+            requests=requests, model_calls=result.model_calls, blocks=result.n_blocks,
+            generated_tokens=sum(map(len, result.tokens)))
+
+    def scored(self, task: str, kind: str, doc: Any, scores: list[tuple[int, RequestScore]], k_mc: int) -> None:
+        self.k_mc = k_mc
+        ordered = [score for _, score in sorted(scores, key=lambda item: item[0])]
+        self.stderr[task, kind][str(doc)] = [_finite(s.mc_stderr) for s in ordered]
+        if len(ordered) >= 2:
+            self.disagreement[task, kind][str(doc)] = _finite(seed_disagreement(ordered))
+
+    @staticmethod
+    def merge(parts: Sequence["Usage"]) -> "Usage":
+        out = Usage()
+        for part in parts:
+            for mine, theirs in ((out.counts, part.counts), (out.generation, part.generation)):
+                for key, counter in theirs.items():
+                    mine[key].update(counter)
+            for mine, theirs in ((out.stderr, part.stderr), (out.disagreement, part.disagreement)):
+                for key, by_doc in theirs.items():
+                    mine[key].update(by_doc)
+            out.k_mc = part.k_mc or out.k_mc
+        return out
+
+    def report(self) -> dict[str, dict[str, dict]]:
+        out: dict[str, dict[str, dict]] = defaultdict(dict)
+        for (task, kind), counts in sorted(self.counts.items()):
+            out[task][kind] = {name: counts[name] for name in self.COUNTS}
+        for (task, key), counts in sorted(self.generation.items()):
+            entry = out[task].setdefault("generate_until", {name: 0 for name in self.COUNTS})
+            row = {**json.loads(key), **{name: counts[name] for name in self.GENERATION}}
+            row["model_calls_per_block"] = row["model_calls"] / row["blocks"] if row["blocks"] else 0.0
+            entry.setdefault("settings", []).append(row)
+            for name in ("model_calls", "generated_tokens"):
+                entry[name] = entry.get(name, 0) + row[name]
+        for (task, kind), by_doc in sorted(self.stderr.items()):
+            stderrs = [se for ses in by_doc.values() for se in ses if se is not None]
+            disagreement = [p for p in self.disagreement[task, kind].values() if p is not None]
+            out[task][kind].update({
+                "k_mc": self.k_mc,
+                "mc_stderr_mean": statistics.fmean(stderrs) if stderrs else None,
+                "mc_stderr_max": max(stderrs) if stderrs else None,
+                "choice_docs": len(self.disagreement[task, kind]),
+                "expected_seed_disagreement": statistics.fmean(disagreement) if disagreement else None,
+                "mc_stderr_by_doc": dict(sorted(by_doc.items(), key=lambda item: _doc_order(item[0]))),
+            })
+        return dict(out)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _doc_order(doc: str) -> tuple:
+    return (0, int(doc), "") if doc.lstrip("-").isdigit() else (1, 0, doc)
 
 
 # ---------------------------------------------------------------------------------- the model
+
+
+class _Plan(NamedTuple):
+    """One generation request, resolved: prompt ids, sampler, stop strings, seed and bookkeeping."""
+
+    prompt: list[int]
+    sampler: SamplerConfig
+    until: list[str]
+    seed: int
+    task: str
+    dropped: int  # prompt tokens cut from the left to fit
 
 
 @register_model("blockgen")
 class BlockGenLM(TemplateLM):
     """A BlockGen checkpoint behind lm-eval's LM interface (see the module docstring)."""
 
+    # Seed a log-likelihood window by its context only (common random numbers across the choices of
+    # one context). False seeds it by the whole window: bench/bench_mc_noise.py measures both.
+    common_random_numbers = True
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        self.args = args = BlockGenLMArgs.parse(kwargs)
+        args = BlockGenLMArgs.parse(kwargs)
+        if args.seed is None:  # lm-eval seeded torch from --seed before building the model
+            args = replace(args, seed=torch.initial_seed())
+        self.args = args
         # Everything checkable from config.json is checked before any weights load or ranks connect.
-        if not os.path.isdir(args.pretrained):
-            raise CheckpointError(f"pretrained={args.pretrained}: checkpoint directory does not exist")
+        _check_checkpoint_dir(args.pretrained)
         config = read_config(args.pretrained)
         self.sampler = self._default_sampler(config)
+        self._gen_settings_cache: dict[str, tuple[SamplerConfig, list[str]]] = {}
+        self._fewshot: dict[str, int] = {}  # task -> num_fewshot, from `check_tasks`
+        self.usage = Usage()
+        self._usage_by_rank: list[Usage] | None = None
 
         self._device, self._world_size, self._rank = _setup_device_and_ranks(args.device)
         self.model, self.tokenizer = load_checkpoint(args.pretrained, self._device)
         self.special = checkpoint_special_tokens(self.model, self.tokenizer)
         self.checkpoint_hash = checkpoint_hash(args.pretrained)
+        self._batch_size = self._auto_batch_size() if args.batch_size == "auto" else args.batch_size
         if 1 not in config.block_sizes:
             log.warning("blockgen: block sizes %s have no AR component (1): loglikelihood's is_greedy is always False",
                         list(config.block_sizes))
 
     def _default_sampler(self, config: BlockGenConfig) -> SamplerConfig:
         a = self.args
-        name = a.sampler or ("ar_greedy" if config.block_sizes == (1,) else "ancestral")
+        if a.sampler:
+            name = a.sampler
+        elif config.block_sizes == (1,):  # AR checkpoint: greedy unless a temperature > 0 was given
+            name = "ar_sample" if a.temperature else "ar_greedy"
+        else:
+            name = "ancestral"
         try:
             # steps defaults to the block size: one token per reverse step on average
             steps = a.steps or resolve_block_size(config, SamplerConfig(name=name, block_size=a.block_size))
-            sampler = SamplerConfig(name=name, steps=steps, ge=a.ge, warmup=a.warmup, temperature=a.temperature,
-                                    block_size=a.block_size, seed=a.seed,
-                                    max_new_tokens=a.max_gen_toks or min(256, config.seq_len // 2))
+            temperature = 1.0 if a.temperature is None else a.temperature
+            sampler = SamplerConfig(name=name, steps=steps, ge=a.ge, warmup=a.warmup, temperature=temperature,
+                                    block_size=a.block_size, max_new_tokens=a.max_gen_toks or min(256, config.seq_len // 2),
+                                    layout=a.layout)
         except ValueError as err:
             raise ValueError(f"blockgen --model_args: {err}") from None
         return self._checked(config, sampler, "--model_args")
@@ -292,6 +471,27 @@ class BlockGenLM(TemplateLM):
             raise ValueError(f"blockgen {where}: max_gen_toks={sampler.max_new_tokens} leaves no room for a prompt "
                              f"in seq_len={config.seq_len}; choose max_gen_toks <= {_max_new_tokens(config, sampler)}")
         return sampler
+
+    def _auto_batch_size(self) -> int:
+        """`--batch_size auto`: on a CPU `AUTO_BATCH_SIZE_CPU`; on a GPU the largest power of two up to
+        `max_batch_size` (default 64) whose heaviest call, a full-length scored window at the largest
+        block size, fits in memory."""
+        limit = self.args.max_batch_size or 64
+        if self._device.type != "cuda":
+            size = min(AUTO_BATCH_SIZE_CPU, limit)
+        else:
+            size = 1 << (limit.bit_length() - 1)
+            window = Window(tuple([self.special.bos] * self.max_length), 1)
+            while size > 1:
+                try:
+                    score_windows(self.model, [window] * size, list(range(size)), 1, self.special.pad)
+                    break
+                except torch.cuda.OutOfMemoryError:
+                    size //= 2
+                finally:
+                    torch.cuda.empty_cache()
+        log.info("blockgen: --batch_size auto -> %d", size)
+        return size
 
     # -------------------------------------------------------------- lm-eval's interface: basics
 
@@ -313,7 +513,7 @@ class BlockGenLM(TemplateLM):
 
     @property
     def batch_size(self) -> int:
-        return self.args.batch_size
+        return self._batch_size
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string, add_special_tokens=False)
@@ -328,6 +528,16 @@ class BlockGenLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return f"blockgen-{self.fingerprint}"
 
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"blockgen: --apply_chat_template, but the checkpoint {self.args.pretrained} has no chat template "
+                "(BlockGen models are trained on plain text); run without --apply_chat_template")
+        return super().chat_template(chat_template)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
     def set_cache_hook(self, cache_hook) -> None:
         # lm-eval's --use_cache (CachingLM) keys answers by request arguments only and hands its
         # SqliteDict over here. Reopening that dict on a table named after our fingerprint keeps
@@ -341,6 +551,7 @@ class BlockGenLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         cfg = self.config
+        usage = Usage.merge(self._usage_by_rank) if self._usage_by_rank else self.usage
         return {
             "model_checkpoint": os.path.abspath(self.args.pretrained),
             "model_sha": self.checkpoint_hash,
@@ -355,8 +566,25 @@ class BlockGenLM(TemplateLM):
                 "add_bos": self.args.add_bos,
                 "sampler": {**asdict(self.sampler), "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "fingerprint": self.fingerprint,
+                "tasks": usage.report(),
             },
         }
+
+    # -------------------------------------------------------------- checks before any request
+
+    def check_tasks(self, task_dict: dict) -> None:
+        """Validate every generate_until task's gen_kwargs before any request runs (called by the
+        `lm_eval.evaluator.evaluate` wrapper that `blockgen.lm_eval` installs)."""
+        from lm_eval.evaluator_utils import _handle_back_comp
+
+        tasks = task_dict["tasks"] if "tasks" in task_dict else _handle_back_comp(task_dict)[1]
+        for name, task in tasks.items():
+            config = getattr(task, "config", None)
+            if config is None:
+                continue
+            self._fewshot[name] = int(getattr(config, "num_fewshot", 0) or 0)
+            if getattr(task, "OUTPUT_TYPE", None) == "generate_until":
+                self._settings(config.generation_kwargs, name)
 
     # -------------------------------------------------------------- likelihoods
 
@@ -365,9 +593,8 @@ class BlockGenLM(TemplateLM):
             return [self.special.bos, *context]
         return context
 
-    def _score(self, items: list[Window], what: str, disable_tqdm: bool) -> list[WindowScore]:
+    def _score(self, items: list[Window], seeds: list[int], what: str, disable_tqdm: bool) -> list[WindowScore]:
         """Score windows in batches of batch_size, longest first (lm-eval's Collator)."""
-        seeds = [derive_seed(self.args.seed, what, list(w.tokens), w.n_context) for w in items]
         collator = Collator(list(zip(items, seeds)), sort_fn=lambda item: (-len(item[0].tokens), item[0].tokens))
         out: list[WindowScore] = []
         bar = tqdm(total=len(items), desc=f"blockgen {what}", disable=disable_tqdm or self.rank != 0)
@@ -378,69 +605,142 @@ class BlockGenLM(TemplateLM):
         bar.close()
         return collator.get_original(out)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        owners, items = [], []
+    def _encode_pair_or_prefix(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's TemplateLM tokenisation: an empty context becomes the prefix (BOS) token."""
+        if context == "":
+            cont = self.tok_encode(continuation)
+            return ([self.prefix_token_id], cont) if cont[:1] != [self.prefix_token_id] else (cont[:1], cont[1:])
+        return self._encode_pair(context, continuation)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        tokenized = [((req.args[0], req.args[1]), *self._encode_pair_or_prefix(*req.args)) for req in requests]
+        return self._loglikelihood_tokens(tokenized, disable_tqdm, owners=[_owner(req) for req in requests])
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, owners=None, **kwargs) -> list[tuple[float, bool]]:
+        owners = owners or [_owner(None)] * len(requests)
+        items, seeds, which, dropped = [], [], [], []
         for i, (_, context, continuation) in enumerate(requests):
-            for w in windows(self._with_bos(list(context)), list(continuation), self.max_length):
-                owners.append(i)
+            context = self._with_bos(list(context))
+            ws = windows(context, list(continuation), self.max_length)
+            kept = len(ws[0].tokens) - len(continuation) if len(ws) == 1 else 1  # rolling windows keep 1 context token
+            dropped.append(len(context) - kept if ws else 0)
+            for w in ws:
+                # Seeded by the window's context only: the choices of one context share their draws.
+                seeded_by = w.tokens[: w.n_context] if self.common_random_numbers else w
+                seeds.append(derive_seed(self.args.seed, "loglikelihood", list(seeded_by)))
                 items.append(w)
-        scores = self._score(items, "loglikelihood", disable_tqdm)
-        totals = [[0.0, True] for _ in requests]
-        for i, s in zip(owners, scores):
-            totals[i][0] -= s.lse
-            totals[i][1] &= s.greedy
-        results = [(logp, greedy) for logp, greedy in totals]
+                which.append(i)
+        scores = self._score(items, seeds, "loglikelihood", disable_tqdm)
+        results = self._collect(requests, which, scores)
+        self._record_likelihood("loglikelihood", owners, results, dropped)
         for (strings, _, _), result in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", strings, result)
-        return results
+            self.cache_hook.add_partial("loglikelihood", strings, (result.logp, result.greedy))
+        return [(r.logp, r.greedy) for r in results]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        owners, items = [], []
+        items, seeds, which = [], [], []
         for i, (text,) in enumerate(req.args for req in requests):
             for w in windows([self.prefix_token_id], self.tok_encode(text), self.max_length):
-                owners.append(i)
+                seeds.append(derive_seed(self.args.seed, "loglikelihood_rolling", list(w.tokens), w.n_context))
                 items.append(w)
-        scores = self._score(items, "loglikelihood_rolling", disable_tqdm)
-        totals = [0.0] * len(requests)
-        for i, s in zip(owners, scores):
-            totals[i] -= s.lse
-        for req, total in zip(requests, totals):
-            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-        return totals
+                which.append(i)
+        scores = self._score(items, seeds, "loglikelihood_rolling", disable_tqdm)
+        results = self._collect(requests, which, scores)
+        self._record_likelihood("loglikelihood_rolling", [_owner(r) for r in requests], results, [0] * len(requests))
+        for req, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, result.logp)
+        return [r.logp for r in results]
+
+    @staticmethod
+    def _collect(requests, which: list[int], scores: list[WindowScore]) -> list[RequestScore]:
+        per_request: list[list[WindowScore]] = [[] for _ in requests]
+        for i, s in zip(which, scores):
+            per_request[i].append(s)
+        return [RequestScore(-sum(s.lse for s in ss), all(s.greedy for s in ss), tuple(ss)) for ss in per_request]
+
+    def _record_likelihood(self, kind: str, owners, results: list[RequestScore], dropped: list[int]) -> None:
+        docs: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+        for (task, doc, idx), result, cut in zip(owners, results, dropped):
+            self.usage.request(task, kind, cut)
+            docs[task][doc].append((idx, result))
+        for task, by_doc in docs.items():
+            for doc, scores in by_doc.items():
+                self.usage.scored(task, kind, doc, scores, self.args.k_mc)
+        self._warn_truncation(kind, owners, dropped, f"contexts were cut from the left to fit seq_len={self.max_length}")
+
+    def _warn_truncation(self, kind: str, owners, dropped: list[int], what: str) -> None:
+        """Truncation is never silent (as lm-eval's hf backend): per task, how many requests and tokens."""
+        per_task: dict[str, list[int]] = defaultdict(list)
+        for (task, _, _), cut in zip(owners, dropped):
+            if cut:
+                per_task[task].append(cut)
+        for task, cuts in per_task.items():
+            hint = ""
+            if self._fewshot.get(task):
+                hint = f"; the prompts carry --num_fewshot {self._fewshot[task]} examples: lower --num_fewshot"
+            log.warning("blockgen %s, task %s: %d of %d requests' %s (%d tokens dropped in all, up to %d in one)%s",
+                        kind, task, len(cuts), sum(1 for o in owners if o[0] == task), what, sum(cuts), max(cuts), hint)
 
     # -------------------------------------------------------------- generation
 
-    def _plan(self, context: str, gen_kwargs: dict) -> tuple[list[int], SamplerConfig, list[str]]:
-        """(prompt ids, sampler, stop strings) of one request; raises on a bad override."""
-        gen_kwargs = dict(gen_kwargs or {})
+    def _settings(self, gen_kwargs: dict | None, task: str) -> tuple[SamplerConfig, list[str]]:
+        """(sampler, stop strings) of a task's gen_kwargs; raises, naming the task, on a bad one."""
+        key = json.dumps(gen_kwargs or {}, sort_keys=True, default=str)
+        if key not in self._gen_settings_cache:
+            try:
+                self._gen_settings_cache[key] = self._resolve(dict(gen_kwargs or {}))
+            except ValueError as err:
+                raise ValueError(f"blockgen, task {task}: gen_kwargs {gen_kwargs}: {err}") from None
+        return self._gen_settings_cache[key]
+
+    def _resolve(self, gen_kwargs: dict) -> tuple[SamplerConfig, list[str]]:
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
-        greedy = gen_kwargs.pop("do_sample", True) is False or gen_kwargs.get("temperature") == 0
-        if gen_kwargs.get("temperature") == 0:
-            del gen_kwargs["temperature"]
+        do_sample = gen_kwargs.pop("do_sample", None)
+        temperature = gen_kwargs.get("temperature")
+        greedy = do_sample is False or temperature == 0
         ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS))
         if ignored:
             _warn_once(f"blockgen ignores gen_kwargs {ignored}; it reads {sorted(GEN_KWARGS) + sorted(GENERIC_GEN_KWARGS)}")
         overrides = {GEN_KWARGS[k]: v for k, v in gen_kwargs.items() if k in GEN_KWARGS}
+        name = overrides.get("name", self.sampler.name)
+        if name in AR_SAMPLERS:
+            if "name" not in overrides:  # as lm-eval's hf backend: greedy unless the task asks to sample
+                if greedy:
+                    overrides["name"] = "ar_greedy"
+                elif do_sample is True or (temperature or 0) > 0:
+                    overrides["name"] = "ar_sample"
+        elif temperature == 0:
+            raise ValueError(
+                f"temperature=0 asks for greedy decoding, which diffusion sampler {name!r} does not have; "
+                "set a temperature > 0 (e.g. --gen_kwargs temperature=0.1) or an AR sampler (sampler=ar_greedy)")
+        elif do_sample is False:
+            _warn_once(f"a task asks for greedy decoding (do_sample=False); diffusion sampler {name!r} has no greedy "
+                       f"mode and samples at temperature {overrides.get('temperature', self.sampler.temperature)}")
         sampler = self.sampler
-        if greedy and "name" not in overrides:
-            if sampler.name == "ar_sample":
-                overrides["name"] = "ar_greedy"
-            elif sampler.name != "ar_greedy":
-                _warn_once(f"task asks for greedy decoding; sampler {sampler.name!r} has no greedy mode and samples "
-                           f"at temperature {sampler.temperature}")
         if overrides:
-            try:
-                sampler = replace(sampler, **overrides)
-            except ValueError as err:
-                raise ValueError(f"blockgen gen_kwargs {gen_kwargs}: {err}") from None
+            if {"name", "block_size"} & set(overrides) and "steps" not in overrides and self.args.steps is None:
+                # steps follows the block size, as for the model arguments
+                overrides["steps"] = resolve_block_size(self.config, replace(sampler, **{**overrides, "steps": 1, "warmup": 0}))
+            sampler = replace(sampler, **overrides)  # SamplerConfig validates (its errors name the choices)
             if sampler.max_new_tokens > (room := _max_new_tokens(self.config, sampler)):
                 _warn_once(f"max_gen_toks={sampler.max_new_tokens} does not fit seq_len={self.config.seq_len}; using {room}")
                 sampler = replace(sampler, max_new_tokens=room)
-            sampler = self._checked(self.config, sampler, f"gen_kwargs {gen_kwargs}")
-        prompt = self._with_bos(self.tok_encode(context))[-max_prompt_len(self.config, sampler) :]
-        seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(replace(sampler, seed=0)))
-        return prompt, replace(sampler, seed=seed), until
+            check_config(self.config, sampler)
+        return sampler, until
+
+    def _plan(self, req, repeat: int) -> _Plan:
+        """`repeat`: how many identical requests came before this one (lm-eval's `repeats`, e.g. maj@k),
+        so each repeat draws its own sample."""
+        context, gen_kwargs = req.args
+        task, _, _ = _owner(req)
+        sampler, until = self._settings(gen_kwargs, task)
+        prompt = self._with_bos(self.tok_encode(context)) or [self.special.bos]
+        room = max_prompt_len(self.config, sampler)
+        dropped = max(0, len(prompt) - room)
+        prompt = prompt[dropped:]
+        seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(sampler), repeat)
+        return _Plan(prompt, sampler, until, seed, task, dropped)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -451,17 +751,36 @@ class BlockGenLM(TemplateLM):
         return lambda ids: any(s in self._decode(ids) for s in until)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        plans = [self._plan(context, gen_kwargs) for context, gen_kwargs in (r.args for r in requests)]
-        out = []
-        for req, (prompt, sampler, until) in tqdm(list(zip(requests, plans)), desc="blockgen generate_until",
-                                                  disable=disable_tqdm or self.rank != 0):
-            result = generate(self.model, [prompt], sampler, self.special.eos, self.special.pad, stop=self._stop(until))
-            text = self._decode(result.tokens[0])
-            for s in until:  # the sampler stops after a block; cut at the first stop string
-                text = text.split(s)[0]
-            self.cache_hook.add_partial("generate_until", req.args, text)
-            out.append(text)
-        return out
+        seen: Counter = Counter()
+        plans = []
+        for req in requests:  # every gen_kwargs is checked before any generation
+            key = json.dumps(req.args, sort_keys=True, default=str)
+            plans.append(self._plan(req, seen[key]))
+            seen[key] += 1
+        for plan in plans:
+            self.usage.request(plan.task, "generate_until", plan.dropped)
+        self._warn_truncation("generate_until", [_owner(r) for r in requests], [p.dropped for p in plans],
+                              "prompts were cut from the left to leave room for max_gen_toks")
+        # One batch: one task and one sampler setting, longest prompt first (lm-eval's Collator).
+        collator = Collator(list(zip(requests, plans)), sort_fn=lambda item: (-len(item[1].prompt), item[1].prompt),
+                            group_fn=lambda item: {"task": item[1].task, **asdict(item[1].sampler)}, group_by="gen_kwargs")
+        out: list[str] = []
+        bar = tqdm(total=len(requests), desc="blockgen generate_until", disable=disable_tqdm or self.rank != 0)
+        for batch in collator.get_batched(n=self.batch_size):
+            batch_plans = [plan for _, plan in batch]
+            sampler = batch_plans[0].sampler
+            result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
+                              stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans])
+            self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch))
+            for (req, plan), ids in zip(batch, result.tokens):
+                text = self._decode(ids)
+                for s in plan.until:  # the sampler stops after a block; cut at the first stop string
+                    text = text.split(s)[0]
+                self.cache_hook.add_partial("generate_until", req.args, text)
+                out.append(text)
+            bar.update(len(batch))
+        bar.close()
+        return collator.get_original(out)
 
     # -------------------------------------------------------------- data parallel (torchrun)
 
@@ -476,13 +795,18 @@ class BlockGenLM(TemplateLM):
         return torch.cat(parts)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """lm-eval gathers samples and metrics to rank 0 after all requests ran, on every rank; our
+        per-rank `Usage` rides along, so rank 0's results JSON reports the whole run."""
         if self.world_size == 1:
             return [obj]
         import torch.distributed as dist
 
         gathered = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, gathered, dst=dst)
-        return gathered
+        dist.gather_object((obj, self.usage), gathered, dst=dst)
+        if gathered is None:
+            return None
+        self._usage_by_rank = [usage for _, usage in gathered]
+        return [o for o, _ in gathered]
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -491,9 +815,36 @@ class BlockGenLM(TemplateLM):
             dist.barrier()
 
 
+def _owner(req) -> tuple[str, Any, int]:
+    """(task name, doc id, index within the doc) of a request; direct calls without a task use '-'."""
+    if req is None:
+        return "-", None, 0
+    return req.task_name or "-", req.doc_id, req.idx
+
+
+def _settings_record(config: BlockGenConfig, sampler: SamplerConfig) -> dict:
+    """The settings a batch really ran with, as the results JSON reports them."""
+    return {"sampler": sampler.name, "steps": sampler.steps, "ge": sampler.ge, "warmup": sampler.warmup,
+            "temperature": sampler.temperature, "block_size": resolve_block_size(config, sampler),
+            "layout": sampler.layout, "max_gen_toks": sampler.max_new_tokens,
+            "paper_nfe_per_block": paper_nfe_per_block(sampler)}
+
+
 def _max_new_tokens(config: BlockGenConfig, sampler: SamplerConfig) -> int:
-    """The most tokens a sampler can add while leaving one block for the prompt."""
-    return config.seq_len - resolve_block_size(config, sampler)
+    """The most tokens a sampler can add while leaving room for a one-token prompt (BOS)."""
+    for n in range(config.seq_len - 1, 0, -1):
+        if max_prompt_len(config, replace(sampler, max_new_tokens=n)) >= 1:
+            return n
+    return 0
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"pretrained={path}: checkpoint directory does not exist")
+    if not (directory / CONFIG).is_file() and (directory / "checkpoint" / CONFIG).is_file():
+        raise CheckpointError(f"pretrained={path} is a training run's folder; its checkpoint is "
+                              f"pretrained={directory / 'checkpoint'}")
 
 
 _warned: set[str] = set()

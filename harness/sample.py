@@ -5,9 +5,10 @@
     python -m blockgen.harness.sample --checkpoint DIR --prompt "" --num-samples 8 --out samples.jsonl
 
 Each prompt is encoded as `[BOS] text` (`--no-bos` drops BOS, `--sep` appends the separator the
-word-problem models were trained with). Prompts run in batches of `--batch-size`; batch b uses seed
-`--seed + b`, so repeated prompts in different batches get different samples. Prompts longer than
-the model's context allows are cut from the left (with a warning). Samples are printed, and written
+word-problem models were trained with). Prompts run in batches of `--batch-size`; sample j (in
+the order printed) draws from its own generator seeded `--seed + j`, so repeated prompts get
+different samples and no sample depends on the batch size. Prompts longer than the model's context
+allows are cut from the left (with a warning). Samples are printed, and written
 as JSON lines with `--out`.
 """
 
@@ -16,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
 from blockgen.harness.checkpoint import checkpoint_special_tokens, load_checkpoint
-from blockgen.models.sampling import SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
+from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=defaults.temperature)
     p.add_argument("--block-size", type=int, default=None, help="default: the largest trained block size")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=int, default=defaults.seed, help="sample j uses seed + j")
+    p.add_argument("--layout", choices=list(BLOCK_LAYOUTS), default=defaults.layout,
+                   help="grid: blocks on the training grid, the prompt's tail inside the first block; "
+                        "prompt_end: a whole block right after the prompt")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, help="write the samples as JSON lines")
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = SamplerConfig(
             name=args.sampler, steps=args.steps, ge=args.ge, warmup=args.warmup, temperature=args.temperature,
-            block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
+            block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
         )
         model, tokenizer = load_checkpoint(args.checkpoint, device=args.device)
         check_config(model, config)
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records = []
     bar = tqdm(total=len(jobs) * config.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr)
-    for b, start in enumerate(range(0, len(jobs), args.batch_size)):
+    for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start : start + args.batch_size]
         done = 0
 
@@ -92,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(step * size)
 
         result = generate(
-            model, [ids for _, ids in batch], replace(config, seed=config.seed + b),
-            eos_id=special.eos, pad_id=special.pad, progress=progress,
+            model, [ids for _, ids in batch], config, eos_id=special.eos, pad_id=special.pad, progress=progress,
+            seeds=[config.seed + start + r for r in range(len(batch))],
         )
         bar.update((config.max_new_tokens - done) * len(batch))  # rows that stopped early
         for (j, ids), tokens, reason in zip(batch, result.tokens, result.finish_reasons):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from blockgen.harness.checkpoint import TRAINING_STATE, save_checkpoint
+from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save, save_checkpoint
 from blockgen.harness.data import DataConfig, Examples, get_tokenizer, load_examples
 from blockgen.harness.tokenizer import special_tokens
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -69,7 +69,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 autocast (CUDA)
-    attention: Literal["auto", "sdpa", "flex"] = "auto"  # auto: flex on CUDA, SDPA masks on CPU
+    # auto: SDPA's boolean mask on every device. Measured on an H200 (paper-size model, batch 8,
+    # L = 1024, bf16): 0.094 s/step with SDPA, 0.113 s with compiled flex_attention, 0.660 s eager.
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    compile: bool = False  # torch.compile the training forward (one graph per block size)
+    peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -80,7 +84,7 @@ class TrainConfig:
             raise ValueError(f"attention={self.attention!r}; choose 'auto', 'sdpa' or 'flex'")
 
     def model_config(self, vocab_size: int, special: dict, device: str) -> BlockGenConfig:
-        attention = self.attention if self.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
+        attention = "sdpa" if self.attention == "auto" else self.attention
         return BlockGenConfig(
             vocab_size=vocab_size,
             seq_len=self.seq_len,
@@ -98,7 +102,9 @@ class TrainConfig:
 
 
 # Settings a resumed run may change (e.g. extending the step budget); anything else must match.
-RESUMABLE_CHANGES = frozenset({"max_steps", "eval_every", "save_every", "device", "out_dir"})
+RESUMABLE_CHANGES = frozenset(
+    {"max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops"}
+)
 
 
 def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
@@ -115,17 +121,6 @@ PRESETS: dict[str, TrainConfig] = {
     "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=650, **_DEMO),
     "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=650, **_DEMO),
     "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=650, **_DEMO),
-    # The paper's scale (GPU machines with the hub): TinyGSM with the SmolLM tokenizer, and OWT.
-    "tinygsm-paper": TrainConfig(
-        prior="masked", **_mixture((1, 16), (0.05, 0.95)), size="paper", seq_len=512, batch_size=512, lr=3e-4,
-        warmup_steps=2500, max_steps=250_000, ema_decay=0.9999, precision="bf16", eval_every=10_000, save_every=5_000,
-        data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000),
-    ),
-    "owt-paper": TrainConfig(
-        prior="masked", **_mixture((1, 4, 16), (0.05, 0.25, 0.7)), size="paper", seq_len=1024, batch_size=512, lr=3e-4,
-        warmup_steps=2500, max_steps=1_000_000, ema_decay=0.9999, precision="bf16", eval_every=10_000, save_every=5_000,
-        data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000),
-    ),
     # CI: seconds, not minutes.
     "ci": TrainConfig(
         prior="masked", **_mixture((1, 4), (0.5, 0.5)), size="micro", batch_size=16, max_steps=40, warmup_steps=5,
@@ -133,6 +128,75 @@ PRESETS: dict[str, TrainConfig] = {
     ),
 }
 DEMO_PRESETS = ("gsm-ar", "gsm-masked", "gsm-uniform", "gsm-masked-mix", "gsm-uniform-mix")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One of the paper's models or baselines: a prior and a block-size mixture (no separate code).
+
+    A block size of 0 stands for the benchmark's sequence length: one block over the whole sequence
+    is full-sequence diffusion (MDLM-like for the masked prior, Duo-like for the uniform one).
+    """
+
+    prior: Literal["masked", "uniform"]
+    block_sizes: tuple[int, ...]
+    block_weights: tuple[float, ...]
+    what: str
+
+    def config(self, base: TrainConfig, name: str) -> TrainConfig:
+        sizes = tuple(b or base.seq_len for b in self.block_sizes)
+        return replace(base, out_dir=f"runs/{name}", prior=self.prior, block_sizes=sizes, block_weights=self.block_weights)
+
+
+def _single(prior: str, block: int) -> Variant:
+    loss = "cross-entropy" if prior == "masked" else "NELBO"
+    return Variant(prior, (block,), (1.0,), f"single-block {prior} diffusion, L' = {block}, trained on the {loss}")
+
+
+VARIANTS: dict[str, Variant] = {
+    "ar": Variant("masked", (1,), (1.0,), "autoregressive: block size 1, exact NLL"),
+    **{f"{p}-{b}": _single(p, b) for p in ("masked", "uniform") for b in (4, 8, 16, 32)},
+    "mdlm": Variant("masked", (0,), (1.0,), "full-sequence masked diffusion (MDLM-like): one block of L"),
+    "duo": Variant("uniform", (0,), (1.0,), "full-sequence uniform diffusion (Duo-like): one block of L"),
+    **{
+        f"{p}-mix": Variant(p, (1, 16), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_16 = 0.95 (table 1, figures 1-2)")
+        for p in ("masked", "uniform")
+    },
+    **{
+        f"{p}-mix32": Variant(p, (1, 32), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_32 = 0.95 (block size 32 tables)")
+        for p in ("masked", "uniform")
+    },
+    **{
+        f"{p}-mix-flat": Variant(p, (1, 2, 4, 8, 16), (0.2,) * 5, f"BlockGen {p}, gamma_i = 0.2 over 1, 2, 4, 8, 16 (table 1)")
+        for p in ("masked", "uniform")
+    },
+}
+
+# The paper's training recipe (appendix: AdamW 3e-4, 2,500 warm-up steps, batch 512, clip 1, EMA
+# 0.9999, dropout 0.1 in the "paper" size, bf16) and each benchmark's models. The "-embedded" twins
+# run the same variants offline at small scale on CPU (offline text or word problems, micro model).
+_PAPER = dict(size="paper", batch_size=512, lr=3e-4, warmup_steps=2500, ema_decay=0.9999, precision="bf16",
+              compile=True, eval_every=10_000, save_every=5_000)
+_OFFLINE = dict(size="micro", seq_len=128, batch_size=32, lr=3e-3, warmup_steps=20, max_steps=300, eval_every=300,
+                save_every=100, k_mc=2)
+_OWT_VARIANTS = ("ar", "masked-4", "masked-8", "masked-16", "uniform-4", "uniform-8", "uniform-16", "mdlm", "duo",
+                 "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
+_TINYGSM_VARIANTS = ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "mdlm", "duo",
+                     "masked-mix", "uniform-mix", "masked-mix32", "uniform-mix32")
+BENCHMARKS: dict[str, tuple[TrainConfig, tuple[str, ...]]] = {
+    # OWT, table 1: GPT-2 tokenizer, L = 1024, 1M steps (table 3's single-block runs stop at 250k).
+    "owt": (TrainConfig(seq_len=1024, max_steps=1_000_000, data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000), **_PAPER), _OWT_VARIANTS),
+    # TinyGSM, figures 1-2 and tables 4-10: SmolLM-135M tokenizer, L = 512, 250k steps.
+    "tinygsm": (
+        TrainConfig(seq_len=512, max_steps=250_000, data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000), **_PAPER),
+        _TINYGSM_VARIANTS,
+    ),
+    "owt-embedded": (TrainConfig(data=DataConfig(source="text", vocab_size=1024, n_val=64), **_OFFLINE), _OWT_VARIANTS),
+    "tinygsm-embedded": (TrainConfig(data=DataConfig(n_train=5000, n_val=64, vocab_size=512), **_OFFLINE), _TINYGSM_VARIANTS),
+}
+PRESETS.update(
+    {f"{bench}-{v}": VARIANTS[v].config(base, f"{bench}-{v}") for bench, (base, variants) in BENCHMARKS.items() for v in variants}
+)
 
 
 def preset(name: str, **overrides) -> TrainConfig:
@@ -221,6 +285,57 @@ def validate(model: BlockGen, val: Examples, k_mc: int, batch_size: int, d: Dist
     return {"val_nll_lse": lse / tokens, "val_nll_jensen": jensen / tokens, "val_ppl_lse": math.exp(lse / tokens), "val_tokens": int(tokens)}
 
 
+def slot_seed(seed: int, step: int, slot: int) -> int:
+    """Seed of the random draws (noise, dropout) of one micro-batch slot of one optimizer step."""
+    return (seed * 1_000_003 + step) * 65_537 + slot
+
+
+def keep_records_up_to(log_path: Path, step: int) -> None:
+    """Drop metrics.jsonl records after `step` (logged by a run killed after its last checkpoint)."""
+    if not log_path.is_file():
+        return
+    lines = log_path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = log_path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, log_path)
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's data sheets, matched
+# against torch.cuda.get_device_name(); the longest matching key wins ("H100 PCIe" before "H100").
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+    "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+}
+
+
+def peak_flops(device: str, override_tflops: float | None = None) -> float | None:
+    """The chip's peak FLOP/s for MFU: the override, else the table above, else None (CPU, unknown)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    matches = [key for key in PEAK_BF16_TFLOPS if key in name]
+    return PEAK_BF16_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
+
+
+def training_flops_per_step(config: BlockGenConfig, batch_size: int) -> float:
+    """Model FLOPs of one optimizer step: 3x the forward matmuls (forward + backward).
+
+    Each sequence puts N = 2L tokens (`[x0 ; xt]`) through n_layers blocks of width d:
+      weights      2 N * 12 d^2 per layer (qkv 3d^2, output d^2, MLP 8d^2)
+      attention    2 * 2 N^2 d per layer (scores and values over all N keys, as SDPA computes them)
+      output head  2 L d V (noisy half only)
+    Embedding lookups, norms, adaLN (once per sequence) and softmax are left out.
+    """
+    n, d, L = 2 * config.seq_len, config.d_model, config.seq_len
+    vocab = config.backbone().vocab_size
+    forward = config.n_layers * (2 * n * 12 * d * d + 4 * n * n * d) + 2 * L * d * vocab
+    return 3.0 * forward * batch_size
+
+
 def _slot_batches(n_examples: int, step: int, batch: int, seed: int) -> torch.Tensor:
     """Global batch indices for a step: a fresh permutation per epoch (same on every rank)."""
     per_epoch = max(n_examples // batch, 1)
@@ -232,7 +347,7 @@ def _slot_batches(n_examples: int, step: int, batch: int, seed: int) -> torch.Te
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train (or resume) a model; returns the checkpoint directory."""
     d = setup_distributed(config.device)
-    torch.manual_seed(config.seed + d.rank)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
     out = Path(config.out_dir)
     ckpt_dir = out / "checkpoint"
     if d.main:
@@ -248,6 +363,10 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     ema = EMA(model, config.ema_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
     step = 0
+    if d.main:
+        finish_interrupted_save(ckpt_dir)
+    if d.world > 1:
+        dist.barrier()
     if (ckpt_dir / TRAINING_STATE).is_file():
         state = torch.load(ckpt_dir / TRAINING_STATE, map_location=d.device, weights_only=False)
         changed = sorted(k for k, v in config.to_dict().items() if state["config"].get(k) != v and k not in RESUMABLE_CHANGES)
@@ -257,11 +376,11 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
         step = state["step"]
-        if d.world == 1:
-            torch.set_rng_state(state["rng"])
-        else:  # rank 0's state alone was saved: give every rank its own stream again
-            torch.manual_seed(config.seed + d.rank + 7919 * step)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else None
+    # through DDP's __call__ (when distributed), so that backward all-reduces gradients
+    net = ddp if ddp is not None else model
+    if config.compile:
+        net = torch.compile(net, dynamic=False)  # block_size is a Python int: one graph per block size
 
     slots = d.world * config.grad_accum
     if config.batch_size % slots:
@@ -271,10 +390,14 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         torch.autocast("cuda", dtype=torch.bfloat16) if config.precision == "bf16" and d.device.startswith("cuda") else contextlib.nullcontext()
     )
     log_path = out / "metrics.jsonl"
+    flops_per_step = training_flops_per_step(model_config, config.batch_size)
+    peak = peak_flops(d.device, config.peak_tflops)
     if d.main:
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
+        keep_records_up_to(log_path, step)  # a killed run may have logged steps after its last checkpoint
     bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.main), desc=out.name, dynamic_ncols=True)
-    tokens_seen, t0 = 0, time.perf_counter()
+    tokens_per_step = config.batch_size * config.seq_len  # the L tokens of each sequence, as bench/ counts them
+    train_seconds, steps_timed, first_step = 0.0, 0, step + 1
 
     def ema_model() -> BlockGen:
         """A copy of the model holding the EMA weights (what validation and checkpoints use)."""
@@ -291,12 +414,12 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             "optimizer": optimizer.state_dict(),
             "ema": ema.shadow,
             "step": step,
-            "rng": torch.get_rng_state(),  # noise draws use the global generator: resume exactly
         }
         save_checkpoint(ckpt_dir, ema_model(), tokenizer, state, extra={"step": step, "final": final, "data": data_info})
 
     model.train()
     while step < config.max_steps:
+        step_start = time.perf_counter()
         lr = config.lr * min(1.0, (step + 1) / max(config.warmup_steps, 1))
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -313,23 +436,34 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             x, lm, cm = (t.to(d.device) for t in (b.tokens, b.loss_mask, b.condition_mask))
             block_size = model_config.block_sizes[block_idx[slot]]
             sync = contextlib.nullcontext() if ddp is None or a == config.grad_accum - 1 else ddp.no_sync()
+            # Noise and dropout of a micro-batch derive from (seed, step, slot) alone: a resumed run
+            # draws what the uninterrupted run drew, on every rank, with no RNG state to save.
+            torch.manual_seed(slot_seed(config.seed, step, slot))
             with sync, autocast:
-                # through DDP's __call__ (when distributed), so that backward all-reduces gradients
-                net = ddp if ddp is not None else model
                 total, count = net(x, lm.float(), block_size, times[sl].to(d.device), cm)
                 loss = total / count.clamp_min(1)
                 (loss / config.grad_accum).backward()
             loss_sum += loss.detach() / config.grad_accum
-            tokens_seen += x.numel() * d.world
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema.update(model, step)
         step += 1
-        loss_val = all_reduce_sum(loss_sum, d).item() / d.world
-        record = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm), "block_sizes": [model_config.block_sizes[i] for i in block_idx]}
+        loss_val = all_reduce_sum(loss_sum, d).item() / d.world  # .item() waits for the device
+        seconds = time.perf_counter() - step_start
+        if step > first_step:  # a process's first step includes start-up (and compilation)
+            train_seconds, steps_timed = train_seconds + seconds, steps_timed + 1
+        record = {
+            "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
+            "block_sizes": [model_config.block_sizes[i] for i in block_idx],
+            "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
+            "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world),
+        }
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t0):.0f}")
+        if steps_timed:  # running means over the timed steps
+            rate = tokens_per_step * steps_timed / train_seconds
+            mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world):.1%}"
+            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rate:.0f}", **({"mfu": mfu} if mfu else {}))
         if step % config.eval_every == 0 or step == config.max_steps:
             record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
             if d.main:

@@ -1,22 +1,21 @@
-"""Accuracy on word problems: sample a program per question, execute it in the sandbox, compare.
+"""Accuracy on the embedded word problems, through lm-eval's task `gsm8k_code_embedded`.
 
-This is the embedded default's evaluation (generated test problems); the lm-eval task `gsm8k_code`
-does the same on GSM8K through `lm_eval`. Problems are those whose reference example fits the
-model's context (the same filter as training), so the model has room to write its answer.
+One code path: the demo's numbers come from `lm_eval.simple_evaluate` on the same task a user runs
+with `lm_eval --model blockgen --tasks gsm8k_code_embedded`; this module only builds the call and
+reads the results back. `score_completions` scores ready-made completions with the task's own
+scoring (extract the program, run it in the sandbox, compare).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
-from tqdm.auto import tqdm
+from blockgen.models.sampling import SamplerConfig
+from blockgen.tasks.sandbox import SandboxConfig, extract_code, run_many
 
-from blockgen.harness.checkpoint import checkpoint_special_tokens
-from blockgen.harness.data import encode_prompt
-from blockgen.models.model import BlockGen
-from blockgen.models.sampling import SamplerConfig, check_config, generate, paper_nfe_per_block
-from blockgen.tasks.sandbox import SandboxConfig, extract_code, is_correct, run_many
+TASK = "gsm8k_code_embedded"
 
 
 @dataclass(frozen=True)
@@ -25,86 +24,78 @@ class Problem:
     answer: int | float
 
 
-@dataclass(frozen=True)
-class EvalReport:
-    sampler: dict
-    n: int
-    correct: int
-    accuracy: float
-    model_calls_per_block: float
-    paper_nfe_per_block: int
-    outcomes: dict[str, int]
+def sampler_model_args(sampler: SamplerConfig) -> dict:
+    """The blockgen `--model_args` that select a sampler and its settings."""
+    if sampler.is_ar:
+        args = {"sampler": sampler.name}
+        return args if sampler.name == "ar_greedy" else {**args, "temperature": sampler.temperature}
+    args = {"sampler": sampler.name, "steps": sampler.steps, "temperature": sampler.temperature}
+    if sampler.name in ("eipc", "arpc"):
+        args.update(ge=sampler.ge, warmup=sampler.warmup)
+    if sampler.block_size is not None:
+        args["block_size"] = sampler.block_size
+    return args
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-
-def evaluate_problems(
-    model: BlockGen,
-    tokenizer,
-    problems: Sequence[Problem],
+def evaluate_embedded(
+    checkpoint: str | Path,
     sampler: SamplerConfig,
-    batch_size: int = 64,
-    sandbox: SandboxConfig | None = None,
-    progress: bool = True,
-) -> EvalReport:
-    """Generate, execute and score. Prompts are batched by length so each batch gets the most room."""
-    block = check_config(model, sampler)
-    special = checkpoint_special_tokens(model, tokenizer)
-    prompts = [encode_prompt(p.question, tokenizer, special) for p in problems]
-    order = sorted(range(len(problems)), key=lambda i: len(prompts[i]))
-    completions: list[str] = [""] * len(problems)
-    calls, blocks = 0, 0
-    bar = tqdm(total=len(problems), desc=f"{sampler.name} T={sampler.temperature}", disable=not progress, leave=False)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        room = model.config.seq_len - max(len(prompts[i]) for i in idx)
-        budget = (room // block) * block
-        if budget < 1:
-            bar.update(len(idx))
-            continue  # no room left to answer: scored as wrong
-        config = SamplerConfig(**{**asdict(sampler), "max_new_tokens": budget, "seed": sampler.seed + start})
-        result = generate(model, [prompts[i] for i in idx], config, eos_id=special.eos, pad_id=special.pad)
-        calls += result.model_calls
-        blocks += result.n_blocks
-        for i, tokens in zip(idx, result.tokens):
-            completions[i] = tokenizer.decode(tokens, skip_special_tokens=True)
-        bar.update(len(idx))
-    bar.close()
-    correct, outcomes = score_completions(completions, problems, sandbox)
-    return EvalReport(
-        sampler=asdict(sampler),
-        n=len(problems),
-        correct=correct,
-        accuracy=correct / max(len(problems), 1),
-        model_calls_per_block=calls / max(blocks, 1),
-        paper_nfe_per_block=paper_nfe_per_block(sampler),
-        outcomes=outcomes,
-    )
+    n_problems: int = 500,
+    max_gen_toks: int | None = None,
+    batch_size: int = 32,
+    device: str = "cpu",
+    limit: int | None = None,
+) -> dict:
+    """Run `gsm8k_code_embedded` on a checkpoint with one sampler; the task's numbers and the run's calls."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from blockgen.lm_eval import register, tasks_dir
+
+    register()  # idempotent; this process may not have the start-up hook
+    model_args = {"pretrained": str(checkpoint), **sampler_model_args(sampler)}
+    if max_gen_toks is not None:
+        model_args["max_gen_toks"] = max_gen_toks
+    # lm-eval passes model args to tasks as metadata when it builds the TaskManager itself; ours
+    # indexes only this project's tasks (lm-eval's own few thousand cost seconds), so pass them here.
+    tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False,
+                        metadata={**model_args, "embedded_problems": n_problems})
+    out = lm_eval.simple_evaluate(model="blockgen", model_args=model_args, tasks=[TASK], task_manager=tasks,
+                                  batch_size=batch_size, device=device, limit=limit, log_samples=False)
+    return report(out)
+
+
+def report(out: dict) -> dict:
+    """The demo's summary of one `simple_evaluate` result of the task."""
+    metrics = {k.split(",")[0]: v for k, v in out["results"][TASK].items() if "," in k}
+    usage = out["config"]["blockgen"]["tasks"][TASK]["generate_until"]
+    (settings,) = usage["settings"]  # one sampler per run
+    n = out["n-samples"][TASK]["effective"]
+    return {
+        "sampler": {k: settings[k] for k in ("sampler", "steps", "ge", "warmup", "temperature", "block_size", "max_gen_toks")},
+        "n": n,
+        "accuracy": metrics["exact_match"],
+        "accuracy_stderr": metrics["exact_match_stderr"],
+        "accuracy_in_distribution": metrics.get("exact_match_in_distribution"),
+        "accuracy_heldout": metrics.get("exact_match_heldout"),
+        "outcomes": {k[len("outcome_"):]: v for k, v in metrics.items() if k.startswith("outcome_") and not k.endswith("_stderr")},
+        "paper_nfe_per_block": settings["paper_nfe_per_block"],
+        "model_calls_per_block": settings["model_calls_per_block"],
+        "model_calls": usage["model_calls"],
+        "truncated_prompts": usage["truncated_requests"],
+    }
 
 
 def score_completions(
     completions: Sequence[str], problems: Sequence[Problem], sandbox: SandboxConfig | None = None
 ) -> tuple[int, dict[str, int]]:
-    """(number correct, count of each sandbox outcome): extract each program, run it, compare."""
-    results = run_many([extract_code(c) for c in completions], sandbox or SandboxConfig(wall_timeout_s=2.0, cpu_time_s=2))
+    """(number correct, count of each sandbox outcome) of ready-made completions, scored as the task scores them."""
+    from blockgen.tasks.gsm8k_code import verdict
+
+    programs = [extract_code(c) for c in completions]
+    results = run_many(programs, sandbox or SandboxConfig(wall_timeout_s=2.0, cpu_time_s=2))
     outcomes: dict[str, int] = {}
     for r in results:
         outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
-    return sum(is_correct(r, p.answer) for r, p in zip(results, problems)), outcomes
-
-
-def embedded_test_problems(tokenizer, seq_len: int, n: int, seed: int = 0) -> list[Problem]:
-    """The first n generated test problems whose reference example `[BOS] q SEP code EOS` fits in seq_len."""
-    from blockgen.harness.tokenizer import special_tokens
-    from blockgen.harness.wordproblems import generate as generate_problems
-
-    special = special_tokens(tokenizer)
-    out: list[Problem] = []
-    for p in generate_problems("test", 4 * n, seed=seed):
-        length = len(encode_prompt(p.question, tokenizer, special)) + len(tokenizer.encode(p.code, add_special_tokens=False)) + 1
-        if length <= seq_len:
-            out.append(Problem(p.question, p.answer))
-        if len(out) == n:
-            break
-    return out
+    verdicts = [verdict({"outcome": r.outcome.value, "value": r.value}, str(p.answer)) for r, p in zip(results, problems)]
+    return verdicts.count("correct"), outcomes

@@ -8,8 +8,9 @@ attention layout), never of the model.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -103,6 +104,16 @@ class KVCache:
         return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values], layout)
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once per process. Called eagerly it runs an unfused fallback:
+    measured on an H200 (paper-size model, batch 8, L = 1024, bf16), 0.660 s per training step
+    eager against 0.113 s compiled (13 s to compile)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
@@ -126,9 +137,7 @@ class Attention(nn.Module):
         if isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            y = flex_attention(q, k, v, block_mask=mask)
+            y = compiled_flex_attention()(q, k, v, block_mask=mask)
         return self.out(y.transpose(1, 2).reshape(b, n, d))
 
 
@@ -207,11 +216,21 @@ class DiT(nn.Module):
             x = block(x, cond, rotary, mask, cache, i, n_commit)
         return self.final(x[:, x.shape[1] - n_out :], cond).float()
 
-    def forward_train(self, x0: torch.Tensor, xt: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Logits of the noisy half of `[x0 ; xt]` (B, L, V) under block size `block_size`."""
+    def forward_train(
+        self, x0: torch.Tensor, xt: torch.Tensor, block_size: int, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of the noisy half of `[x0 ; xt]` (B, L, V) under block size `block_size`.
+
+        `valid` (B, L) marks real tokens: padding (False) is invisible to every real token in both
+        streams, so rows of different lengths share a batch without their padding changing any
+        logit (the last block may be partial). It uses the dense SDPA mask, one per batch.
+        """
         seq_len = x0.shape[1]
         layout = training_layout(seq_len, block_size, x0.device)
-        if self.cfg.attention == "flex":
+        if valid is not None:
+            layout = replace(layout, valid=torch.cat([valid, valid], dim=1))
+            mask = dense_mask(layout, layout, self.cfg.causal_clean)
+        elif self.cfg.attention == "flex":
             mask = training_block_mask(seq_len, block_size, self.cfg.causal_clean, str(x0.device))
         else:
             mask = training_mask(seq_len, block_size, self.cfg.causal_clean, str(x0.device))

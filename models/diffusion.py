@@ -12,6 +12,11 @@ Each prior is one small object with the same methods, so losses and samplers nev
 - `train_loss(...)`: masked: unweighted cross-entropy; uniform: the NELBO.
 The losses take raw logits (log-probabilities work too) so each prior computes only what it needs.
 
+Randomness: every draw goes through `uniform`, `randint` and `sample_categorical` below, which take
+either a `torch.Generator` (or None: the global one) or `RowGenerators`, one generator per batch row.
+With `RowGenerators` row i's draws come from its own generator only (inverse-CDF categorical draws),
+so a sampled row is the same alone or in any batch; nothing else branches on it.
+
 Conventions: schedule alpha_t = 1 - (1 - eps) t (log-linear, eps = 1e-3), `d_alpha = -(1 - eps)`.
 Block size 1 is autoregression: the noisy stream is `fully_noised` (a fixed placeholder that carries
 no information about x) and the loss is the exact cross-entropy, handled by the objectives.
@@ -20,7 +25,7 @@ no information about x) and the loss is the exact cross-entropy, handled by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +48,66 @@ class LogLinearSchedule:
         return self.t_min + (1 - self.t_min) * u
 
 
-def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row of `probs` (..., K), in float64: float32 Gumbel noise biases low-entropy draws."""
+class RowGenerators:
+    """One CPU `torch.Generator` per batch row, seeded from `seeds[i]`.
+
+    Row i draws float64 uniforms from its own generator only, as many per call as the row has
+    positions, so its draws do not depend on the other rows, on the batch size or on the device (the
+    uniforms are drawn on the CPU and moved). `select` keeps the generators of the rows that stay.
+    """
+
+    def __init__(self, seeds: Sequence[int] | None = None, *, _generators: list[torch.Generator] | None = None) -> None:
+        if _generators is None:
+            _generators = [torch.Generator().manual_seed(int(s)) for s in seeds or ()]
+        self.generators = _generators
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> "RowGenerators":
+        return RowGenerators(_generators=[self.generators[int(r)] for r in rows])
+
+    def uniform(self, shape: Sequence[int], device=None) -> torch.Tensor:
+        """Float64 uniforms in [0, 1) of `shape`; shape[0] must be the number of rows."""
+        shape = tuple(shape)
+        if not shape or shape[0] != len(self):
+            raise ValueError(f"RowGenerators with {len(self)} rows cannot draw a tensor of shape {shape}")
+        per_row = shape[1:]
+        rows = [torch.rand(per_row, generator=g, dtype=torch.float64) for g in self.generators]
+        return torch.stack(rows).to(device)
+
+
+Randomness = torch.Generator | RowGenerators | None
+
+
+def uniform(shape, device=None, generator: Randomness = None) -> torch.Tensor:
+    """U[0, 1) draws: float64 from per-row generators, else torch.rand's float32."""
+    if isinstance(generator, RowGenerators):
+        return generator.uniform(shape, device)
+    return torch.rand(shape, device=device, generator=generator)
+
+
+def randint(low: int, high: int, shape, device=None, generator: Randomness = None) -> torch.Tensor:
+    """Integers uniform in [low, high)."""
+    if isinstance(generator, RowGenerators):
+        u = generator.uniform(shape, device)
+        return (low + (u * (high - low)).long()).clamp_max(high - 1)
+    return torch.randint(low, high, shape, device=device, generator=generator)
+
+
+def sample_categorical(probs: torch.Tensor, generator: Randomness = None) -> torch.Tensor:
+    """One draw per row of `probs` (..., K), in float64: float32 Gumbel noise biases low-entropy draws.
+
+    Per-row generators use the inverse CDF of one uniform per draw, so a tiny float difference in
+    `probs` (another batch shape) changes a draw only if the uniform falls within it of a boundary.
+    """
     p = probs.double().clamp_min(0)
+    if isinstance(generator, RowGenerators):
+        cdf = p.cumsum(-1)
+        u = generator.uniform(p.shape[:-1], p.device) * cdf[..., -1]
+        return torch.searchsorted(cdf, u[..., None], right=True)[..., 0].clamp_max(p.shape[-1] - 1)
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
-
-
-def _uniform_like(shape, low: int, high: int, device, generator) -> torch.Tensor:
-    return torch.randint(low, high, shape, device=device, generator=generator)
 
 
 @dataclass(frozen=True)
@@ -69,11 +125,11 @@ class MaskedPrior:
     def model_vocab_size(self) -> int:
         return self.vocab_size + 1
 
-    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        keep = torch.rand(x.shape, device=x.device, generator=generator) < alpha
+    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: Randomness = None) -> torch.Tensor:
+        keep = uniform(x.shape, x.device, generator) < alpha
         return torch.where(keep, x, torch.full_like(x, self.mask_id))
 
-    def prior_sample(self, shape, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+    def prior_sample(self, shape, device="cpu", generator: Randomness = None) -> torch.Tensor:
         return torch.full(shape, self.mask_id, dtype=torch.long, device=device)
 
     def is_noise(self, z: torch.Tensor) -> torch.Tensor:
@@ -139,12 +195,12 @@ class UniformPrior:
     def model_vocab_size(self) -> int:
         return self.vocab_size
 
-    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        keep = torch.rand(x.shape, device=x.device, generator=generator) < alpha
-        return torch.where(keep, x, _uniform_like(x.shape, 0, self.vocab_size, x.device, generator))
+    def noise(self, x: torch.Tensor, alpha: torch.Tensor, generator: Randomness = None) -> torch.Tensor:
+        keep = uniform(x.shape, x.device, generator) < alpha
+        return torch.where(keep, x, randint(0, self.vocab_size, x.shape, x.device, generator))
 
-    def prior_sample(self, shape, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
-        return _uniform_like(shape, 0, self.vocab_size, device, generator)
+    def prior_sample(self, shape, device="cpu", generator: Randomness = None) -> torch.Tensor:
+        return randint(0, self.vocab_size, shape, device, generator)
 
     def fully_noised(self, shape, device="cpu") -> torch.Tensor:
         """The noisy stream at block size 1 (autoregression): one fixed token (id 0).

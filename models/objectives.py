@@ -3,7 +3,8 @@
 - `BlockMixture`: block sizes and weights gamma; `stratified_block_sizes` is Algorithm 1.
 - `noisy_forward`: noise x -> z_t for one block size, run `[x0 ; z_t]`, return per-token losses.
   Block size 1 is autoregression: z_t is `prior.fully_noised` and the loss is the exact cross-entropy.
-- `sequence_nll`: per-sequence NELBO (or exact NLL at block size 1) averaged over K_MC draws.
+- `sequence_nll_draws` / `sequence_nll`: per-sequence NELBO (or exact NLL at block size 1) of each
+  of K_MC draws / their mean.
 - `lse_bound` / `jensen_bound`: eq. supp:valid-lse and the mixture (Jensen) bound, per sequence.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from blockgen.models.backbone import DiT
-from blockgen.models.diffusion import LogLinearSchedule, Prior
+from blockgen.models.diffusion import LogLinearSchedule, Prior, Randomness, uniform
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,17 @@ def noisy_forward(
     t: torch.Tensor,
     schedule: LogLinearSchedule,
     condition_mask: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,
     objective: str = "train",
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token losses (B, L) for one block size.
 
     `condition_mask` marks tokens that stay clean in the noisy stream (a prompt, e.g. the question of
     a word problem), as they are at sampling time. `objective` is "train" (masked: unweighted CE;
     uniform: NELBO) or "nelbo" (the evaluation bound). At block size 1 both are the exact AR NLL.
+    `valid` marks real tokens of rows padded to a common length (`DiT.forward_train`): padding is
+    invisible to them; its own losses are meaningless and must be masked out by the caller.
     """
     if block_size == 1:  # fully noised: the noisy token carries no information about x
         z_t = prior.fully_noised(x.shape, device=x.device)
@@ -86,7 +90,7 @@ def noisy_forward(
         z_t = prior.noise(x, schedule.alpha(t)[:, None], generator=generator)
     if condition_mask is not None:
         z_t = torch.where(condition_mask, x, z_t)
-    logits = model.forward_train(x, z_t, block_size)
+    logits = model.forward_train(x, z_t, block_size, valid)
     if block_size == 1:
         loss = -prior.log_prob_clean(logits, x, z_t)
     elif objective == "train":
@@ -101,7 +105,7 @@ def noisy_forward(
 
 
 @torch.no_grad()
-def sequence_nll(
+def sequence_nll_draws(
     model: DiT,
     prior: Prior,
     x: torch.Tensor,
@@ -110,21 +114,28 @@ def sequence_nll(
     k_mc: int,
     schedule: LogLinearSchedule,
     condition_mask: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """eq. supp:mc-nll: per-sequence NLL bound (B,), the NELBO averaged over K_MC draws of (t, z_t).
+    """eq. supp:mc-nll's terms: the per-sequence NELBO of each of K_MC draws of (t, z_t), (K, B).
 
     The K_MC times of one sequence are stratified over [t_min, 1]. Block size 1 is exact, so one
-    draw suffices. Summed over `loss_mask` positions (float64).
+    draw suffices (K = 1). Summed over `loss_mask` positions (float64). With `RowGenerators` each
+    row draws its times and noise from its own generator (`valid`: see `noisy_forward`).
     """
     draws = 1 if block_size == 1 else k_mc
-    total = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    u = torch.rand(x.shape[0], generator=generator, device=x.device)
+    u = uniform((x.shape[0],), x.device, generator)
+    out = []
     for k in range(draws):
         t = schedule.t_from_uniform((u + k / draws) % 1.0)
-        loss = noisy_forward(model, prior, x, block_size, t, schedule, condition_mask, generator, objective="nelbo")
-        total += (loss.double() * loss_mask).sum(-1)
-    return total / draws
+        loss = noisy_forward(model, prior, x, block_size, t, schedule, condition_mask, generator, "nelbo", valid)
+        out.append((loss.double() * loss_mask).sum(-1))
+    return torch.stack(out)
+
+
+def sequence_nll(*args, **kwargs) -> torch.Tensor:
+    """eq. supp:mc-nll: per-sequence NLL bound (B,), the mean of `sequence_nll_draws` (same arguments)."""
+    return sequence_nll_draws(*args, **kwargs).mean(0)
 
 
 def lse_bound(nll: torch.Tensor, weights: tuple[float, ...] | torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,23 @@
 """Samplers: block-by-block generation with a KV cache (paper section 3.3, appendix "Algorithms").
 
-Generation runs left to right, one block of L' tokens at a time, right after the prompt. The keys
-and values of committed clean tokens (prompt, finished blocks) are computed once, through
-`DiT.forward_cached(..., n_commit)`, and reused by every later call. With a token-causal clean
-stream (`causal_clean=True`) the same cache serves the diffusion passes (block size L') and the AR
-verifier (block size 1).
+Generation runs left to right, one block of L' tokens at a time. The keys and values of committed
+clean tokens (prompt, finished blocks) are computed once, through `DiT.forward_cached(..., n_commit)`,
+and reused by every later call. With a token-causal clean stream (`causal_clean=True`) the same cache
+serves the diffusion passes (block size L') and the AR verifier (block size 1).
+
+Where the blocks sit (`SamplerConfig.layout`). Positions of a row start at 0 at its first real token
+(prompts are left-padded; padding is `valid=False`).
+- `grid` (default): blocks sit at multiples of L' from position 0, as in training and in the
+  likelihood path. A prompt of length P commits its first P - (P mod L') tokens; its last
+  P mod L' tokens (the tail, per row) sit clean at the start of the first noisy block, exactly as
+  training's `condition_mask` keeps a question clean in the noisy stream: the tail is pinned after
+  every step, never selected for re-noising, never returned as generated, and the first block
+  generates only L' - (P mod L') tokens. A prompt of length P can therefore receive up to
+  seq_len - P tokens. The tail lives only in the noisy block (and, for ARPC, the proposal), never
+  also in the cache, so no key appears twice; the whole block, tail included, is committed after.
+- `prompt_end`: a full block of L' noisy tokens starts right after the prompt (the layout of
+  earlier versions); the prompt is committed whole and generation needs whole blocks of room.
+For prompts whose length is a multiple of L' (and for the AR samplers) the two coincide.
 
 Samplers (`SamplerConfig.name`):
 - `ancestral`: N_step reverse steps per block, z_s ~ q_{s|t}(. | z_t, x_hat) with the denoiser's
@@ -14,22 +27,28 @@ Samplers (`SamplerConfig.name`):
 - `eipc` / `arpc` (Algorithms 2 and 3): `warmup` ancestral steps, then an informed step at the first
   non-warmup step and every `ge` steps after. An informed step draws a clean proposal
   x~ ~ q_{0|t}(. | z_t, x_hat), scores each token (EIPC: negative entropy of x_hat; ARPC: AR
-  log-likelihood from one extra call at block size 1), picks the k = round((1 - alpha_s) L')
-  lowest-scoring positions m, sets z = x~ and then draws z^l ~ q_s(. | x~^l; alpha_s) for l in m,
-  literally as the algorithm's line reads: each chosen position goes through the forward process,
-  so (masked) it becomes [MASK] with probability 1 - alpha_s and keeps x~ otherwise (uniform: it is
-  redrawn uniformly, possibly onto x~ again, with probability 1 - alpha_s). The scores use the
-  tempered distributions. Ties in the score go to torch.topk's order.
+  log-likelihood from one extra call at block size 1), and re-noises ALL of the k lowest-scoring
+  positions with a draw from the prior ([MASK] for masked, a fresh uniform token for uniform),
+  z = x~ elsewhere; see `_informed_step` for why the printed line of the algorithms reads otherwise.
+  k = max(1, round((1 - alpha_s) n)) with n the positions the block generates (L'; fewer in a grid
+  layout's first block), and k = 0 at the last step (s = 0), as in the authors' implementation:
+  at any s > 0 the block keeps at least one noisy token, so the corrector never ends a block early.
+  The scores use the tempered distributions. Ties in the score go to the lower position.
 - `ar_greedy` / `ar_sample`: autoregression at block size 1, one token per model call.
 Temperature divides the logits before normalisation, for diffusion and AR passes alike (greedy AR
-ignores it). Categorical draws are float64 (`sample_categorical`); one `torch.Generator` seeded
-from `SamplerConfig.seed` drives all randomness, so a fixed seed reproduces a batch exactly (same
-prompts, same device).
+ignores it). Categorical draws are float64 (`sample_categorical`).
 
-Layout of the calls (see `attention.allowed`). Positions of a row start at 0 at its first real
-token (prompts are left-padded; padding is `valid=False`). Block ids are positions, in a way that
-reproduces the training layout: a noisy block starting at position p has block id p (so it sees
-every clean token before p and its own block); a committed clean token has block id = its position
+Randomness. Row i of a batch draws everything (prior samples, posterior draws, proposals,
+re-noising) from its own generator (`diffusion.RowGenerators`), seeded `seeds[i]` when `generate`
+is given `seeds`, else `config.seed + i`. With `seeds`, a row's text is the same alone or in any
+batch. Only float rounding that depends on the batch shape (~1e-7 in the logits) can still change
+it: a uniform landing that close to a boundary of an inverse-CDF draw, or two informed-step scores
+that close to each other at the cut. Measured on random micro models (nearly flat scores): 2 of
+1,024 row samples differed, both from one near-tie of two EIPC entropies (README, Sampling).
+
+Layout of the calls (see `attention.allowed`). Block ids are positions, in a way that reproduces
+the training layout: a noisy block starting at position p has block id p (so it sees every clean
+token before p and its own block); a committed clean token has block id = its position
 (token-causal models) or = the start of its block (block-causal models; the prompt is cut into
 blocks of L' from its first token, as in training). The AR pass at block size 1 runs
 `[proposal x~ (clean, not committed) ; L' fully-noised tokens]`, token p of each with block id = its
@@ -44,12 +63,11 @@ never committed since nothing reads it.
 
 Counting model calls (`GenerationResult.model_calls` counts the forward passes really made; one
 batched call counts once). The paper's label (appendix D, `paper_nfe_per_block`) is N_step for
-ancestral and EIPC and N_step + floor((N_step - 1 - warmup) / GE) + 1 for ARPC. An informed step
-with k = 0 (always the case at the last step, where alpha_0 = 1, and at the step with s = 1/N once
-N_step >= 2 L') re-noises nothing, so its AR scores could change nothing: we skip that AR pass.
-Such a step still sets z = x~ (at s = 0 this is exactly an ancestral step). Hence the actual count
-per block (`calls_per_block`) is N_step + #{informed steps with k > 0} for ARPC, one fewer than the
-label per skipped pass; both are reported.
+ancestral and EIPC and N_step + floor((N_step - 1 - warmup) / GE) + 1 for ARPC. An informed step at
+the last step (k = 0: alpha_0 = 1) re-noises nothing, so its AR scores could change nothing: we skip
+that AR pass; the step still sets z = x~, which at s = 0 is exactly an ancestral step. Hence the
+actual count per block (`calls_per_block`) is N_step + #{informed steps before the last} for ARPC,
+one fewer than the label when the last step is informed; both are reported.
 """
 
 from __future__ import annotations
@@ -62,13 +80,15 @@ import torch
 
 from blockgen.models.attention import Layout
 from blockgen.models.backbone import KVCache
-from blockgen.models.diffusion import Prior, sample_categorical
+from blockgen.models.diffusion import Prior, Randomness, RowGenerators, sample_categorical
 from blockgen.models.model import BlockGen, BlockGenConfig
 
 SamplerName = Literal["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]
 SAMPLERS: tuple[str, ...] = get_args(SamplerName)
 AR_SAMPLERS = ("ar_greedy", "ar_sample")
 INFORMED_SAMPLERS = ("eipc", "arpc")
+BlockLayout = Literal["grid", "prompt_end"]
+BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
 
 StopFn = Callable[[list[int]], bool]
 
@@ -82,11 +102,14 @@ class SamplerConfig:
     temperature: float = 1.0  # divides the logits; ignored by ar_greedy
     block_size: int | None = None  # L'; None: the model's largest trained block size (AR: 1)
     max_new_tokens: int = 256
-    seed: int = 0
+    seed: int = 0  # row i of a batch uses seed + i unless generate() is given per-row seeds
+    layout: BlockLayout = "grid"  # blocks on the training grid, or a whole block right after the prompt
 
     def __post_init__(self) -> None:
         if self.name not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.name!r}; choose one of {list(SAMPLERS)}")
+        if self.layout not in BLOCK_LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}; choose one of {list(BLOCK_LAYOUTS)}")
         for key, low in (("steps", 1), ("ge", 1), ("warmup", 0), ("max_new_tokens", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -122,9 +145,14 @@ def step_alphas(i: int, steps: int, eps: float) -> tuple[float, float]:
     return 1 - (1 - eps) * t, (1.0 if s == 0 else 1 - (1 - eps) * s)
 
 
-def renoise_count(i: int, steps: int, block_size: int, eps: float) -> int:
-    """k = round((1 - alpha_s) L') positions re-noised by an informed step at step i (Python's round)."""
-    return round((1 - step_alphas(i, steps, eps)[1]) * block_size)
+def renoise_count(i: int, steps: int, n: int, eps: float) -> int:
+    """k positions re-noised by an informed step at step i among n generated positions of a block.
+
+    k = max(1, round((1 - alpha_s) n)) (Python's round) for s > 0, the expected number of noisy
+    tokens at time s but at least one; k = 0 at the last step (s = 0, alpha_s = 1).
+    """
+    alpha_s = step_alphas(i, steps, eps)[1]
+    return 0 if alpha_s == 1.0 or n < 1 else max(1, round((1 - alpha_s) * n))
 
 
 def paper_nfe_per_block(config: SamplerConfig) -> int:
@@ -137,7 +165,7 @@ def paper_nfe_per_block(config: SamplerConfig) -> int:
 
 
 def calls_per_block(config: SamplerConfig, block_size: int, eps: float = 1e-3) -> int:
-    """Model calls this module really makes per block: ARPC skips the AR pass when k = 0."""
+    """Model calls this module really makes per block: ARPC skips the AR pass when k = 0 (last step)."""
     if config.is_ar:
         return 1
     if config.name != "arpc":
@@ -181,10 +209,23 @@ def check_config(model: BlockGen | BlockGenConfig, config: SamplerConfig) -> int
 
 
 def max_prompt_len(model: BlockGen | BlockGenConfig, config: SamplerConfig) -> int:
-    """The longest prompt that leaves room for max_new_tokens (rounded up to whole blocks)."""
+    """The longest prompt that leaves room for max_new_tokens.
+
+    grid: the blocks up to position P + max_new_tokens must fit, i.e. P <= seq_len - max_new_tokens
+    (when L' divides seq_len, as for every trained size). prompt_end: whole blocks after the prompt.
+    """
     cfg = model.config if isinstance(model, BlockGen) else model
     block_size = resolve_block_size(cfg, config)
+    if config.layout == "grid":
+        return cfg.seq_len // block_size * block_size - config.max_new_tokens
     return cfg.seq_len - math.ceil(config.max_new_tokens / block_size) * block_size
+
+
+def split_prompt(prompt: Sequence[int], block_size: int, layout: BlockLayout) -> tuple[list[int], list[int]]:
+    """(committed prefix, tail kept clean inside the first noisy block) of one prompt."""
+    prompt = list(prompt)
+    tail = len(prompt) % block_size if layout == "grid" else 0
+    return prompt[: len(prompt) - tail], prompt[len(prompt) - tail :]
 
 
 # ----------------------------------------------------------------------------- the KV context
@@ -201,12 +242,23 @@ def _rows(n_rows: int, start: torch.Tensor, length: int, block_id: torch.Tensor 
 class Decoder:
     """The committed prefix of a batch: KV cache, clean tokens waiting to be committed, next positions.
 
+    `prompts` are committed as they are; `tails` (grid layout: each prompt's last P mod L' tokens,
+    shorter than L') sit clean at the start of the first block: `pin(z)` writes them into a block,
+    `generated` says how many positions of the current block each row generates.
     `denoise(z)` and `ar_pass(x)` are the only places that call the model. With `use_cache=False`
     every call recomputes the whole clean prefix instead (the benchmark's baseline); the outputs are
     the same up to float rounding.
     """
 
-    def __init__(self, model: BlockGen, prompts: Sequence[Sequence[int]], pad_id: int, block_size: int, use_cache: bool = True):
+    def __init__(
+        self,
+        model: BlockGen,
+        prompts: Sequence[Sequence[int]],
+        pad_id: int,
+        block_size: int,
+        use_cache: bool = True,
+        tails: Sequence[Sequence[int]] | None = None,
+    ):
         self.dit = model.dit
         self.prior: Prior = model.prior
         self.causal = model.config.causal_clean
@@ -232,13 +284,40 @@ class Decoder:
         layout = Layout(positions, block_ids, torch.zeros_like(valid), valid).to(self.device)
         # The clean tokens not yet in the cache (uncached mode: the whole clean prefix).
         self.clean: tuple[torch.Tensor, Layout] | None = (tokens.to(self.device), layout) if width else None
-        self.next_pos = lengths.to(self.device)  # position of the next generated token, per row
+        self.next_pos = lengths.to(self.device)  # start of the next block, per row
         self._noisy_layout: Layout | None = None
         self._ar_layout: Layout | None = None
+        # The first block's pinned prefix (tokens, mask), each (B, L'); None when no row has a tail.
+        self.tail_lens = [len(t) for t in tails] if tails is not None else [0] * n
+        self.fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        if len(self.tail_lens) != n:
+            raise ValueError(f"got {len(self.tail_lens)} prompt tails for {n} prompts")
+        if any(self.tail_lens):
+            if max(self.tail_lens) >= block_size:
+                raise ValueError(
+                    f"a prompt tail of {max(self.tail_lens)} tokens leaves no position to generate in a block of {block_size}"
+                )
+            fixed = torch.zeros(n, block_size, dtype=torch.long)
+            for r, t in enumerate(tails):
+                fixed[r, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+            mask = torch.arange(block_size)[None] < torch.tensor(self.tail_lens)[:, None]
+            self.fixed = (fixed.to(self.device), mask.to(self.device))
 
     @property
     def batch(self) -> int:
         return self.next_pos.shape[0]
+
+    @property
+    def generated(self) -> list[int]:
+        """Positions of the current block each row generates (L' minus its pinned prompt tail)."""
+        return [self.block_size - t for t in self.tail_lens]
+
+    def pin(self, z: torch.Tensor) -> torch.Tensor:
+        """The block z with each row's prompt tail written back (a no-op after the first block)."""
+        if self.fixed is None:
+            return z
+        tokens, mask = self.fixed
+        return torch.where(mask, tokens, z)
 
     def _call(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
         """One model call on `[queued clean ; tokens]`; returns the logits of the noisy tokens."""
@@ -284,6 +363,7 @@ class Decoder:
         self.clean = (block, layout)
         self.next_pos = self.next_pos + n
         self._noisy_layout = self._ar_layout = None
+        self.fixed, self.tail_lens = None, [0] * self.batch
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch and cost nothing)."""
@@ -295,6 +375,9 @@ class Decoder:
             self.clean = (tokens[rows], Layout(*(f[rows] for f in layout._fields())))
         self.next_pos = self.next_pos[rows]
         self._noisy_layout = self._ar_layout = None
+        self.tail_lens = [self.tail_lens[r] for r in rows.tolist()]
+        if self.fixed is not None:
+            self.fixed = (self.fixed[0][rows], self.fixed[1][rows])
 
 
 # ------------------------------------------------------------------------------ block samplers
@@ -306,17 +389,24 @@ def _probs(prior: Prior, logits: torch.Tensor, z: torch.Tensor, temperature: flo
     return log_p.exp(), log_p
 
 
-def ancestral_step(prior: Prior, z: torch.Tensor, x_probs: torch.Tensor, alpha_t: float, alpha_s: float, generator) -> torch.Tensor:
+def ancestral_step(prior: Prior, z: torch.Tensor, x_probs: torch.Tensor, alpha_t: float, alpha_s: float, generator: Randomness) -> torch.Tensor:
     """z_s ~ q_{s|t}(. | z_t, x_hat): the prior's posterior with the denoiser's distribution plugged in."""
     return sample_categorical(prior.posterior(z, x_probs, alpha_t, alpha_s), generator)
 
 
-def _informed_step(dec: Decoder, config: SamplerConfig, z, x_probs, i: int, generator) -> torch.Tensor:
+def _lowest(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, n): the k[b] lowest scores of each row b; ties go to the lower position."""
+    order = score.argsort(dim=-1, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order))
+    return rank < k[:, None]
+
+
+def _informed_step(dec: Decoder, config: SamplerConfig, z, x_probs, i: int, generator: Randomness) -> torch.Tensor:
     prior, eps = dec.prior, dec.eps
-    alpha_t, alpha_s = step_alphas(i, config.steps, eps)
-    x = ancestral_step(prior, z, x_probs, alpha_t, 1.0, generator)  # clean proposal ~ q_{0|t}
-    k = renoise_count(i, config.steps, z.shape[1], eps)
-    if k == 0:  # nothing to re-noise: the scores (and ARPC's extra call) could change nothing
+    alpha_t, _ = step_alphas(i, config.steps, eps)
+    x = dec.pin(ancestral_step(prior, z, x_probs, alpha_t, 1.0, generator))  # clean proposal ~ q_{0|t}
+    k = torch.tensor([renoise_count(i, config.steps, n, eps) for n in dec.generated], device=x.device)
+    if not k.any():  # the last step: nothing to re-noise, the scores (and ARPC's extra call) could change nothing
         return x
     if config.name == "eipc":
         score = torch.special.xlogy(x_probs, x_probs).sum(-1)  # negative entropy; 0 log 0 = 0
@@ -324,29 +414,39 @@ def _informed_step(dec: Decoder, config: SamplerConfig, z, x_probs, i: int, gene
         ar_logits, noise = dec.ar_pass(x)
         _, ar_log_p = _probs(prior, ar_logits, noise, config.temperature)
         score = ar_log_p.gather(-1, x[..., None])[..., 0]
-    worst = score.topk(k, dim=-1, largest=False).indices
-    chosen = torch.zeros_like(x, dtype=torch.bool).scatter_(1, worst, True)
-    # Algorithm 2/3: z^l ~ q_s(. | x~^l; alpha_s) for the chosen positions, z = x~ elsewhere.
-    return torch.where(chosen, prior.noise(x, alpha_s, generator), x)
+    if dec.fixed is not None:  # a prompt tail is never re-noised
+        score = score.masked_fill(dec.fixed[1], torch.inf)
+    chosen = _lowest(score, k)
+    # Algorithms 2-3 print z^l ~ q_s(. | x~^l; alpha_s) for l in m. Read literally, each chosen
+    # position would go through the forward process once more and only a (1 - alpha_s) share of the
+    # k would end up noisy. But k is already the expected number of noisy tokens at time s: choosing
+    # the k positions plays the part of the forward process's coin flips, and the text asks to
+    # "re-noise the lowest-scoring k positions to the noise level at time s". So every chosen
+    # position takes the prior's noise ([MASK], or a fresh uniform token), as the authors' code does.
+    return torch.where(chosen, prior.prior_sample(x.shape, device=x.device, generator=generator), x)
 
 
-def diffusion_block(dec: Decoder, config: SamplerConfig, generator, trace=None, block_index: int = 0) -> torch.Tensor:
-    """One block of L' clean tokens by ancestral, EIPC or ARPC sampling (Algorithms 2 and 3)."""
+def diffusion_block(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=None, block_index: int = 0) -> torch.Tensor:
+    """One block of L' clean tokens by ancestral, EIPC or ARPC sampling (Algorithms 2 and 3).
+
+    A grid layout's prompt tail is pinned after every step (the masked posterior keeps it anyway;
+    the uniform one would redraw it).
+    """
     prior = dec.prior
-    z = prior.prior_sample((dec.batch, dec.block_size), device=dec.device, generator=generator)
+    z = dec.pin(prior.prior_sample((dec.batch, dec.block_size), device=dec.device, generator=generator))
     for i in range(config.steps):
         alpha_t, alpha_s = step_alphas(i, config.steps, dec.eps)
         x_probs, _ = _probs(prior, dec.denoise(z), z, config.temperature)
         if config.informed(i):
             z = _informed_step(dec, config, z, x_probs, i, generator)
         else:
-            z = ancestral_step(prior, z, x_probs, alpha_t, alpha_s, generator)
+            z = dec.pin(ancestral_step(prior, z, x_probs, alpha_t, alpha_s, generator))
         if trace is not None:
             trace(block_index, i, z)
     return z
 
 
-def ar_token(dec: Decoder, config: SamplerConfig, generator, trace=None, block_index: int = 0) -> torch.Tensor:
+def ar_token(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=None, block_index: int = 0) -> torch.Tensor:
     """One token per row by autoregression (block size 1): greedy or sampled at a temperature."""
     z = dec.prior.fully_noised((dec.batch, 1), device=dec.device)
     logits = dec.denoise(z)
@@ -382,6 +482,7 @@ def generate(
     pad_id: int,
     stop: StopFn | Sequence[StopFn | None] | None = None,
     *,
+    seeds: Sequence[int] | None = None,
     use_cache: bool = True,
     validate: bool = True,
     progress: Callable[[int], None] | None = None,
@@ -391,46 +492,57 @@ def generate(
 
     A row stops at its first generated EOS (prompts are never inspected, so BOS == EOS is safe),
     when `stop(generated ids so far)` is true after a committed block (one callable for all rows or
-    one per row), or at max_new_tokens; finished rows leave the batch. `validate=False` skips the
-    checkpoint checks (e.g. the benchmark's untrained full-sequence block). `progress(n)` is called
-    after each block with the number of tokens it added per row; `trace(block, step, z)` after
-    every reverse step (tests).
+    one per row), or at max_new_tokens; finished rows leave the batch. Row i draws all its
+    randomness from a generator seeded `seeds[i]` (default `config.seed + i`), so with `seeds` its
+    output does not depend on the batch it runs in. `validate=False` skips the checkpoint checks
+    (e.g. the benchmark's untrained full-sequence block). `progress(n)` is called after each block
+    with the number of tokens it added per row (at most); `trace(block, step, z)` after every
+    reverse step (tests).
     """
     block_size = check_config(model, config) if validate else resolve_block_size(model.config, config)
     paper = paper_nfe_per_block(config)
     n = len(prompts)
     if n == 0:
         return GenerationResult([], 0, 0.0, paper, block_size, 0, [])
-    n_blocks = math.ceil(config.max_new_tokens / block_size)
-    longest = max(len(p) for p in prompts)
-    if longest + n_blocks * block_size > model.config.seq_len:
+    limit = config.max_new_tokens
+    splits = [split_prompt(p, block_size, config.layout) for p in prompts]
+    # Blocks each row needs: its tail plus max_new_tokens, in whole blocks from its grid start.
+    need = [math.ceil((len(tail) + limit) / block_size) for _, tail in splits]
+    end = max(len(prefix) + b * block_size for (prefix, _), b in zip(splits, need))
+    if end > model.config.seq_len:
+        longest = max(len(p) for p in prompts)
         raise ValueError(
-            f"prompt length {longest} + {n_blocks} blocks of {block_size} exceeds the model's seq_len "
-            f"{model.config.seq_len}; truncate prompts to {model.config.seq_len - n_blocks * block_size} tokens"
+            f"prompt length {longest} + max_new_tokens {limit} in blocks of {block_size} (layout {config.layout!r}) "
+            f"exceeds the model's seq_len {model.config.seq_len}; truncate prompts to {max_prompt_len(model.config, config)} "
+            f"tokens or ask for fewer new tokens"
         )
     stops = list(stop) if isinstance(stop, Sequence) else [stop] * n
     if len(stops) != n:
         raise ValueError(f"got {len(stops)} stop callbacks for {n} prompts")
+    if seeds is None:
+        seeds = [config.seed + i for i in range(n)]
+    elif len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+    generator = RowGenerators(seeds)
 
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(config.seed)
     was_training = model.training
     model.eval()  # dropout off while sampling; restored below
     try:
-        dec = Decoder(model, prompts, pad_id, block_size, use_cache)
+        dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits])
         sample_block = ar_token if config.is_ar else diffusion_block
         active = list(range(n))  # original index of each batch row
         out: list[list[int]] = [[] for _ in range(n)]
         reasons = ["length"] * n
         blocks = 0
-        for j in range(n_blocks):
+        for j in range(max(need)):
+            skip = dec.tail_lens  # the prompt's tail opens the first block: not generated
             block = sample_block(dec, config, generator, trace, j)
             blocks += 1
             dec.commit(block)
             keep = []
             for r, row in enumerate(block.tolist()):
                 i = active[r]
-                new = row[: config.max_new_tokens - len(out[i])]
+                new = row[skip[r] :][: limit - len(out[i])]
                 if eos_id in new:
                     out[i] += new[: new.index(eos_id)]
                     reasons[i] = "eos"
@@ -438,14 +550,15 @@ def generate(
                 out[i] += new
                 if stops[i] is not None and stops[i](out[i]):
                     reasons[i] = "stop"
-                elif len(out[i]) < config.max_new_tokens:
+                elif len(out[i]) < limit:
                     keep.append(r)
             if progress is not None:
-                progress(block_size)
+                progress(block_size - min(skip))
             if not keep:
                 break
             if len(keep) < len(active):
                 dec.select(torch.tensor(keep))
+                generator = generator.select(keep)
                 active = [active[r] for r in keep]
     finally:
         model.train(was_training)

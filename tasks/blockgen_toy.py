@@ -8,6 +8,7 @@ than chance on them. They check plumbing, not models.
 - ``blockgen_toy_ppl`` (loglikelihood_rolling): paragraphs of sentences, some longer than a small
   model's window.
 - ``blockgen_toy_gen`` (generate_until): ``a plus b is`` -> `` c`` (stops at a newline).
+- ``blockgen_toy_mc`` (multiple_choice): ``a plus b is`` with the nine possible sums as choices.
 """
 
 from __future__ import annotations
@@ -63,4 +64,13 @@ def load_gen(**_metadata):
     for _ in range(16):
         question, answer = addition(rng)
         rows.append({"question": question, "answer": answer.strip()})
+    return _dataset(rows)
+
+
+def load_mc(**_metadata):
+    rng = random.Random(4)
+    rows = []
+    for _ in range(25):
+        question, answer = addition(rng)
+        rows.append({"question": question, "choices": [f" {n}" for n in NUMBERS[:9]], "label": NUMBERS.index(answer.strip())})
     return _dataset(rows)

@@ -4,15 +4,18 @@ Each program gets a fresh interpreter (`python -I -S -B`, exec'd, never a fork o
 with an empty environment, only its own pipes, a new session and a fresh scratch directory. A
 small trusted bootstrap in that interpreter sets up the isolation before any model code runs:
 
-    B  the exec'd bootstrap: new network and PID namespaces (a user namespace owns them when
-       the evaluator is not root); dies with the evaluator (PR_SET_PDEATHSIG)
+    B  the exec'd bootstrap: new network, PID and IPC namespaces (a user namespace owns them
+       when the evaluator is not root); dies with the evaluator (PR_SET_PDEATHSIG). System V
+       and POSIX IPC objects live in the IPC namespace (and the private /dev/shm) and die with it
     C  pid 1 of the new PID namespace: reaps and reports how D ended. When C dies the kernel
        kills whatever is left in the namespace, even processes that left the process group
     D  a mount namespace with private, size-bounded tmpfs on the scratch directory and on
-       /tmp, /var/tmp, /dev/shm, /run/lock, and a /proc showing only its PID namespace;
-       rlimits (CPU, address space, file size, processes, open files, no core); the uid
-       `nobody` when the evaluator is root; no_new_privs. Then it runs the program and calls
-       `simple_math_problem()`.
+       /tmp, /var/tmp, /dev/shm; empty ones over the directories where host daemons keep
+       Unix-domain sockets and state (/run, /var/run, /var/lib, /var/spool, /home, /srv, /mnt,
+       /media); a /proc showing only its PID namespace; rlimits (CPU, address space, file
+       size, processes, open files, no core); when the evaluator is root, a uid of its own per
+       concurrent run (RLIMIT_NPROC counts per uid, so one program's fork bomb cannot starve
+       its neighbour); no_new_privs. Then it runs the program and calls `simple_math_problem()`.
 
 The setup runs after exec rather than in a `preexec_fn`, which is unsafe in a multithreaded
 evaluator (CPython docs) and would fork a possibly huge process. The evaluator enforces the
@@ -23,7 +26,9 @@ imported instead) and `SandboxResult.isolation` lists what was actually in force
 drop is never skipped: the run ends as SANDBOX_ERROR before any model code runs as root.
 The return value travels on its own pipe, so printing an answer never counts as returning it. A
 program that deliberately writes to that pipe can forge its own answer: this guards against
-accidents and hostile side effects, not against a model that cheats on purpose.
+accidents and hostile side effects, not against a model that cheats on purpose. The value is
+serialised in the child by exact type (never through the value's own methods, which a subclass
+can override) and parsed in the evaluator with size limits, so every `SandboxResult` prints.
 """
 
 from __future__ import annotations
@@ -38,16 +43,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import Iterable
+from typing import Callable, Iterable
 
 KiB = 1024
 MiB = 1024 * KiB
 ENTRY_POINT = "simple_math_problem"
 NOBODY = 65534
+# Run uids (evaluator as root): UID_BASE + evaluator pid * MAX_CONCURRENT + slot, unique among
+# the runs alive on the host (a pid is at most 2**22), above the usual account and subuid ranges.
+UID_BASE = 1 << 30
+MAX_CONCURRENT = 256  # programs one evaluator process runs at the same time
+MAX_INT_BITS = 4096  # larger integers come back as +-inf: str() of them raises
 
 _CHUNK = 64 * KiB
 _RESULT_LIMIT = 16 * KiB
@@ -58,17 +68,23 @@ _CHILD = r"""
 import os, sys, resource
 
 FD, WRITE = int(sys.argv[1]), os.write  # bound now: the program may replace os.write
-NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
 PDEATHSIG, NO_NEW_PRIVS, SIGKILL = 1, 38, 9
 NOSUID, NODEV, NOEXEC, REC, PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+# Where host daemons keep Unix-domain sockets and state: hidden under empty tmpfs. (Abstract
+# sockets belong to the network namespace.)
+HOST_DIRS = ("/run", "/var/run", "/var/lib", "/var/spool", "/home", "/srv", "/mnt", "/media")
+MAX_INT_BITS = 4096
 
 def say(*words):
     line = " ".join(words).replace("\n", " ")
     WRITE(FD, line.encode("utf-8", "backslashreplace") + b"\n")
 
 def typename(obj):
-    return str(type(obj).__name__).replace(" ", "_")[:100]
+    # type.__name__ read through `type` itself: a metaclass cannot make it lie or raise
+    name = type.__dict__["__name__"].__get__(type(obj))
+    return str.replace(name, " ", "_")[:100]
 
 def load_libc():
     # Calls into libc through _ctypes directly: importing the ctypes package would cost
@@ -123,6 +139,9 @@ def private_mounts(size, uid, gid, own_pids):
     if LIBC is None or not unshare(NEWNS):
         return []
     mount("/", None, REC | PRIVATE, None)
+    for path in HOST_DIRS:
+        if os.path.isdir(path) and not os.path.islink(path):
+            mount(path, b"tmpfs", NOSUID | NODEV | NOEXEC, b"size=%d,mode=755" % (1024 * 1024))
     for path in WORLD_WRITABLE:
         if os.path.isdir(path):
             mount(path, b"tmpfs", NOSUID | NODEV | NOEXEC, b"size=%d,mode=1777" % size)
@@ -130,13 +149,14 @@ def private_mounts(size, uid, gid, own_pids):
     options = b"size=%d,mode=700,uid=%d,gid=%d" % (size, uid, gid)
     mount(cwd, b"tmpfs", NOSUID | NODEV | NOEXEC, options)
     os.chdir(cwd)
+    done = ["mountns", "hostdirs-hidden"]
     if not own_pids:
-        return ["mountns"]
+        return done
     try:  # a /proc that shows only this PID namespace, not the evaluator's command lines
         mount("/proc", b"proc", NOSUID | NODEV | NOEXEC, None)
-        return ["mountns", "procfs"]
+        return done + ["procfs"]
     except OSError:
-        return ["mountns"]
+        return done
 
 def hold_sys_path():
     # The stdlib may end up out of reach: under a directory the sandbox uid cannot enter
@@ -183,10 +203,10 @@ def main():
     os.dup2(null, 0)
     os.close(null)
 
-    # B: new network and PID namespaces (a user namespace owns them when not root).
+    # B: new network, PID and IPC namespaces (a user namespace owns them when not root).
     root = os.geteuid() == 0
     iso = []
-    kinds = [(f, n) for f, n in ((NEWNET, "netns"), (NEWPID, "pidns")) if "n" in want]
+    kinds = [(f, n) for f, n in ((NEWNET, "netns"), (NEWPID, "pidns"), (NEWIPC, "ipcns")) if "n" in want]
     if root:
         iso += [n for f, n in kinds if unshare(f)]
     elif kinds and unshare(NEWUSER | sum(f for f, n in kinds)):
@@ -237,6 +257,23 @@ def main():
     say("iso", ",".join(iso))
     run(code, entry)
 
+def serialise(value):
+    # By exact type, through int's and float's own methods: a subclass may override any of
+    # its methods (bit_length, __repr__, __format__, ...) to lie about what it holds.
+    if type(value) is bool:
+        return ("nan", "bool")
+    if isinstance(value, int):
+        value = int.__int__(value)  # the stored integer, whatever the subclass says
+        if int.bit_length(value) <= MAX_INT_BITS:
+            return ("ok", "i", int.__format__(value, "x"))
+        return ("ok", "f", "inf" if value > 0 else "-inf")  # no answer; too large to print
+    if isinstance(value, float):
+        return ("ok", "f", float.__repr__(float.__float__(value)))
+    if not isinstance(value, (str, bytes, complex)) and hasattr(type(value), "__float__"):
+        number = float(value)  # Decimal, Fraction: their own conversion, run here in the child
+        return ("ok", "f", float.__repr__(float.__float__(number)))
+    return ("nan", typename(value))
+
 def run(code, entry):
     try:
         program = compile(code, "<program>", "exec", dont_inherit=True)
@@ -256,18 +293,7 @@ def run(code, entry):
         value = fn()
         if os.getpid() != me:  # a fork of the program returned: only D reports
             os._exit(0)
-        if isinstance(value, bool):
-            record = ("nan", "bool")
-        elif isinstance(value, int) and value.bit_length() <= 4096:
-            record = ("ok", "i", hex(value))
-        elif isinstance(value, int):  # no answer; and str() of it would raise in the evaluator
-            record = ("ok", "f", "inf" if value > 0 else "-inf")
-        elif isinstance(value, float):
-            record = ("ok", "f", float.__repr__(value))
-        elif not isinstance(value, (str, bytes, complex)) and hasattr(type(value), "__float__"):
-            record = ("ok", "f", float.__repr__(float(value)))  # Decimal, Fraction
-        else:
-            record = ("nan", typename(value))
+        record = serialise(value)
     except BaseException as exc:
         if os.getpid() != me:
             os._exit(1)
@@ -311,16 +337,19 @@ class SandboxConfig:
     cpu_time_s: int = 5
     memory_bytes: int = 512 * MiB  # address space, not resident memory
     file_size_bytes: int = 1 * MiB
-    # RLIMIT_NPROC counts every process and thread of the uid, so concurrent sandboxes that run
-    # as the same uid share it.
+    # RLIMIT_NPROC counts every process and thread of a uid: each concurrent run gets its own
+    # uid when the evaluator is root (see `uid`); otherwise they share the evaluator's.
     max_processes: int = 16
     max_open_files: int = 64
     max_output_bytes: int = 64 * KiB  # kept per stream; the rest is read and discarded
     tmpfs_bytes: int = 16 * MiB  # size of each private tmpfs (scratch, /tmp, /dev/shm, ...)
     entry_point: str = ENTRY_POINT
-    # Used only when the evaluator runs as root; None keeps root (not recommended).
-    uid: int | None = NOBODY
+    # Used only when the evaluator runs as root; None keeps root (not recommended). With
+    # uid_per_run, `uid` is the base of a range and each concurrent run gets uid + an offset
+    # unique on the host; otherwise every run uses `uid` itself.
+    uid: int | None = UID_BASE
     gid: int | None = NOBODY
+    uid_per_run: bool = True
     namespaces: bool = True  # new network, PID and mount namespaces where the kernel allows
     python: str = field(default_factory=lambda: sys.executable)
     scratch_root: str | None = None  # parent of the per-program scratch directories
@@ -347,7 +376,7 @@ class SandboxResult:
     stdout: str = ""  # first max_output_bytes bytes, decoded with replacement
     stderr: str = ""
     elapsed_s: float = 0.0
-    isolation: tuple[str, ...] = ()  # mechanisms the child confirmed, e.g. ("netns", "uid=65534")
+    isolation: tuple[str, ...] = ()  # mechanisms the child confirmed, e.g. ("netns", "uid=1073741824")
 
     @property
     def ok(self) -> bool:
@@ -372,15 +401,25 @@ def run_many(
     programs: Iterable[str | bytes],
     config: SandboxConfig | None = None,
     max_workers: int | None = None,
+    progress: Callable[[SandboxResult], None] | None = None,
 ) -> list[SandboxResult]:
-    """Run programs in parallel (one thread drives each child); results in input order."""
+    """Run programs in parallel (one thread drives each child); results in input order.
+
+    `progress(result)` is called as each program finishes (from a worker thread)."""
     cfg = config or SandboxConfig()
     items = list(programs)
     if not items:
         return []
-    workers = max(1, min(max_workers or os.cpu_count() or 1, len(items)))
+    workers = max(1, min(max_workers or os.cpu_count() or 1, len(items), MAX_CONCURRENT))
+
+    def one(code: str | bytes) -> SandboxResult:
+        result = run_program(code, cfg)
+        if progress is not None:
+            progress(result)
+        return result
+
     with ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
-        return list(pool.map(run_program, items, repeat(cfg)))
+        return list(pool.map(one, items))
 
 
 def isolation_report(config: SandboxConfig | None = None) -> tuple[str, ...]:
@@ -409,9 +448,35 @@ class _Capped:
         return b"".join(self.parts)
 
 
-def _argv(cfg: SandboxConfig, result_fd: int, drop: bool) -> list[str]:
+class _Slots:
+    """Slot numbers of the runs alive in this process (the smallest free one is taken)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = list(range(size))
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"more than {MAX_CONCURRENT} programs at once in one process")
+            self._free.sort()
+            return self._free.pop(0)
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
+_SLOTS = _Slots(MAX_CONCURRENT)
+
+
+def _run_uid(cfg: SandboxConfig, slot: int) -> int:
+    base = cfg.uid if cfg.uid is not None else NOBODY
+    return base + os.getpid() * MAX_CONCURRENT + slot if cfg.uid_per_run else base
+
+
+def _argv(cfg: SandboxConfig, result_fd: int, drop: bool, uid: int) -> list[str]:
     want = ("n" if cfg.namespaces else "") + ("u" if drop else "")
-    uid = cfg.uid if cfg.uid is not None else NOBODY
     gid = cfg.gid if cfg.gid is not None else uid
     limits = (
         cfg.cpu_time_s, cfg.memory_bytes, cfg.file_size_bytes, cfg.max_processes,
@@ -427,14 +492,22 @@ def _run(code: str | bytes, cfg: SandboxConfig, start: float) -> SandboxResult:
     # Lone surrogates survive encoding and then fail to compile in the child, as they should.
     source = code.encode("utf-8", "surrogatepass") if isinstance(code, str) else bytes(code)
     drop = os.geteuid() == 0 and cfg.uid is not None
+    slot = _SLOTS.take()
+    try:
+        return _run_in_slot(source, cfg, start, drop, _run_uid(cfg, slot))
+    finally:
+        _SLOTS.give(slot)
+
+
+def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, drop: bool, uid: int) -> SandboxResult:
     scratch = tempfile.mkdtemp(prefix="blockgen-sandbox-", dir=cfg.scratch_root)
     try:
         if drop:
-            os.chown(scratch, cfg.uid, cfg.gid if cfg.gid is not None else cfg.uid)
+            os.chown(scratch, uid, cfg.gid if cfg.gid is not None else uid)
         result_r, result_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                _argv(cfg, result_w, drop),
+                _argv(cfg, result_w, drop, uid),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -581,11 +654,10 @@ def _decide(
     if record is not None:
         kind, rest = record
         if kind == "ok":
-            typ, _, number = rest.partition(" ")
-            try:
-                return result(Outcome.OK, value=int(number, 16) if typ == "i" else float(number))
-            except ValueError:
+            value = _parse_number(rest)
+            if value is None:
                 return result(Outcome.NOT_A_NUMBER, "unreadable")
+            return result(Outcome.OK, value=value)
         if kind == "nan":
             return result(Outcome.NOT_A_NUMBER, rest)
         if kind == "syntax":
@@ -613,6 +685,20 @@ def _decide(
         return result(Outcome.KILLED, _signal_name(-returncode))
     tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no report"]
     return result(Outcome.SANDBOX_ERROR, tail[0][:200])
+
+
+_HEX = re.compile(r"-?[0-9a-f]{1,%d}" % (MAX_INT_BITS // 4))
+_FLOAT = re.compile(r"-?(?:inf|nan|[0-9]+\.[0-9]+(?:e[-+][0-9]+)?|[0-9]+e[-+][0-9]+)")
+
+
+def _parse_number(text: str) -> int | float | None:
+    """`i <hex>` or `f <float repr>` as the child writes them; None for anything else."""
+    typ, _, number = text.partition(" ")
+    if typ == "i" and _HEX.fullmatch(number):
+        return int(number, 16)
+    if typ == "f" and _FLOAT.fullmatch(number):
+        return float(number)
+    return None
 
 
 def _signal_name(sig: int) -> str:

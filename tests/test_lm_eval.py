@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from blockgen.tasks.blockgen_toy import training_text
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1"}
-TASKS = "blockgen_toy_cloze,blockgen_toy_ppl,blockgen_toy_gen"
+TASKS = "blockgen_toy_cloze,blockgen_toy_ppl,blockgen_toy_gen,blockgen_toy_mc"
 SEQ_LEN = 64
 
 
@@ -122,38 +123,53 @@ def test_windows_score_each_target_token_once():
 
 
 def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
-    """One window scored by the adapter == BlockGen.nll_bounds on it, from the same seed; LSE >= Jensen."""
-    from blockgen.harness.lm_eval_adapter import Window, score_windows
+    """A window scored in a padded batch == BlockGen.nll_bounds on the window alone, same draws; LSE >= Jensen."""
+    from blockgen.harness.lm_eval_adapter import PositionalRowGenerators, Window, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
-    ids = [special_tokens(tok).bos, *tok.encode("the red cat sees the ball . two plus one is three", add_special_tokens=False)]
-    window = Window(tuple(ids), 4)
-    (score,) = score_windows(model, [window], [1234], k_mc=4, pad_id=special_tokens(tok).pad)
+    special = special_tokens(tok)
+    ids = [special.bos, *tok.encode("the red cat sees the ball . two plus one is three", add_special_tokens=False)]
+    assert len(ids) % 8  # the last block is partial
+    window, longer = Window(tuple(ids), 4), Window(tuple(ids + ids), 3)
+    score = score_windows(model, [longer, window], [99, 1234], k_mc=4, pad_id=special.pad)[1]
 
-    x = torch.full((1, -(-len(ids) // 8) * 8), special_tokens(tok).pad)  # whole blocks of 8, as the adapter pads
-    x[0, : len(ids)] = torch.tensor(ids)
+    x = torch.tensor([ids])  # unpadded: the last block is partial, as training_layout allows
     scored = torch.zeros_like(x, dtype=torch.bool)
-    scored[0, 4 : len(ids)] = True
-    condition = torch.zeros_like(scored)
-    condition[0, :4] = True
-    lse, jensen = model.nll_bounds(x, scored, 4, condition, torch.Generator().manual_seed(1234))
-    assert score.lse == pytest.approx(lse.item(), rel=1e-6)
-    assert score.jensen == pytest.approx(jensen.item(), rel=1e-6)
+    scored[0, 4:] = True
+    condition = ~scored
+    lse, jensen = model.nll_bounds(x, scored, 4, condition, PositionalRowGenerators([1234], SEQ_LEN))
+    assert score.lse == pytest.approx(lse.item(), rel=1e-5)
+    assert score.jensen == pytest.approx(jensen.item(), rel=1e-5)
     assert -score.lse >= -score.jensen  # logLik_LSE >= logLik_Jensen
     assert score.lse > 0
 
 
-def test_score_does_not_depend_on_batch(ckpts):
+def test_score_does_not_depend_on_padding(ckpts):
+    """Padding is invisible: two pad ids give identical numbers, window lengths on and off the block grid."""
     from blockgen.harness.lm_eval_adapter import Window, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
-    texts = ["the old fox likes the box .", "one plus four is five", "the quiet mouse finds the stone . the dog"]
-    batch = [Window(tuple(tok.encode(t, add_special_tokens=False)), 2) for t in texts]
-    together = score_windows(model, batch, [1, 2, 3], k_mc=3, pad_id=0)
-    alone = [score_windows(model, [w], [s], k_mc=3, pad_id=0)[0] for w, s in zip(batch, [1, 2, 3])]
-    for a, b in zip(together, alone):
-        assert a.lse == pytest.approx(b.lse, rel=1e-5)
-        assert a.greedy == b.greedy
+    ids = tok.encode("the old fox likes the box . one plus four is five . the dog sees the cat", add_special_tokens=False)
+    batch = [Window(tuple(ids[:n]), 3) for n in (16, 13, 8, 5)]  # multiples of L' = 8 and not
+    assert len(batch[0].tokens) == 16 and len(batch[1].tokens) % 8
+    seeds = [5, 6, 7, 8]
+    one, other = (score_windows(model, batch, seeds, k_mc=3, pad_id=pad) for pad in (0, len(tok) - 1))
+    assert [s.lse for s in one] == [s.lse for s in other]  # bitwise: padding never enters a real token's logits
+    assert [s.greedy for s in one] == [s.greedy for s in other]
+    alone = [score_windows(model, [w], [s], k_mc=3, pad_id=1)[0] for w, s in zip(batch, seeds)]
+    assert [s.lse for s in one] == pytest.approx([s.lse for s in alone], rel=1e-5)
+
+
+def test_choices_of_one_context_share_their_draws(ckpts):
+    """Common random numbers: windows with one seed see the same noise at the same positions, so two
+    choices that differ in one token differ less between them than across seeds."""
+    from blockgen.harness.lm_eval_adapter import PositionalRowGenerators
+
+    g = PositionalRowGenerators([3, 3, 4], width=SEQ_LEN)
+    draws = g.uniform((3, 10))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    short = PositionalRowGenerators([3], width=SEQ_LEN).uniform((1, 6))
+    assert torch.equal(short[0], draws[0, :6])  # a shorter window: the same draws at its positions
 
 
 def test_ar_checkpoint_is_exact_and_seed_free(ckpts):
@@ -197,8 +213,26 @@ def test_bad_model_args_name_the_choices(ckpts, tmp_path):
         cls.create_from_arg_string(f"pretrained={tmp_path / 'missing'}", {"device": "cpu"})
     with pytest.raises(ValueError, match=r"autoregressive \(block sizes \[1\]\); choose one of \['ar_greedy', 'ar_sample'\]"):
         cls.create_from_arg_string(f"pretrained={ckpts['ar']},sampler=arpc", {"device": "cpu"})
-    with pytest.raises(ValueError, match="'auto' is not supported"):
-        cls.create_from_arg_string(f"pretrained={ckpts['mixture']}", {"device": "cpu", "batch_size": "auto"})
+    with pytest.raises(ValueError) as err:  # the list shows what a user may set, not lm-eval's internals
+        cls.create_from_arg_string(f"pretrained={ckpts['mixture']},temperatur=0.5", {"device": "cpu"})
+    listed = str(err.value).split("valid: ")[1]
+    assert "'layout'" in listed and "'k_mc'" in listed
+    assert not {"batch_size", "device", "max_batch_size"} & set(listed.strip("[]").replace("'", "").split(", "))
+    run = tmp_path / "run"  # a training run's folder: the error names the checkpoint inside it
+    run.mkdir()
+    (run / "checkpoint").symlink_to(ckpts["mixture"])
+    with pytest.raises(CheckpointError, match=f"training run's folder; its checkpoint is pretrained={run / 'checkpoint'}"):
+        cls.create_from_arg_string(f"pretrained={run}", {"device": "cpu"})
+    with pytest.raises(ValueError, match="choose a positive integer or 'auto'"):
+        cls.create_from_arg_string(f"pretrained={ckpts['mixture']}", {"device": "cpu", "batch_size": "0"})
+
+
+def test_batch_size_auto_on_cpu_is_the_documented_default(ckpts):
+    from blockgen.harness.lm_eval_adapter import AUTO_BATCH_SIZE_CPU
+
+    for value in ("auto", "auto:4"):
+        assert _lm(ckpts["mixture"], batch_size=value, max_batch_size=64).batch_size == AUTO_BATCH_SIZE_CPU
+    assert _lm(ckpts["mixture"], batch_size="auto", max_batch_size=4).batch_size == 4
 
 
 def test_generation_override_and_stop_strings(ckpts):
@@ -210,6 +244,92 @@ def test_generation_override_and_stop_strings(ckpts):
     assert first == lm.generate_until(_requests("generate_until", args[::-1]))[::-1]  # order-free
     with pytest.raises(ValueError, match="choose one of"):
         lm.generate_until(_requests("generate_until", [("x", {"sampler": "nope"})]))
+
+
+PROMPTS = ["the red cat sees the", "one plus two is", "the quiet mouse", "four plus four is", "the", "three plus one"]
+
+
+def test_batched_generation_equals_one_by_one(ckpts):
+    """Each request draws from its own generator: batch size 16 gives the texts of batch size 1, with
+    far fewer model calls; repeats of one request (lm-eval's `repeats`) draw different samples."""
+    args = [(p, {"until": ["."], "max_gen_toks": 16}) for p in PROMPTS * 2]
+    runs = {}
+    for batch in (1, 16):
+        lm = _lm(ckpts["mixture"], batch_size=batch, seed=1)
+        runs[batch] = (lm.generate_until(_requests("generate_until", args)), lm.usage.report()["-"]["generate_until"])
+    assert runs[1][0] == runs[16][0]
+    (one,), (batched,) = runs[1][1]["settings"], runs[16][1]["settings"]
+    assert one["generated_tokens"] == batched["generated_tokens"] > 0
+    assert one["model_calls_per_block"] == batched["model_calls_per_block"] == 8  # ancestral, 8 steps: NFE 8
+    assert batched["model_calls"] < one["model_calls"] / 4
+    first, second = runs[16][0][: len(PROMPTS)], runs[16][0][len(PROMPTS) :]
+    assert first != second  # the second copy of each request is a second sample
+
+
+def test_ar_checkpoint_follows_do_sample_and_temperature(ckpts):
+    """As lm-eval's hf backend: greedy by default and with do_sample=False; do_sample=True or a
+    temperature > 0 samples (ar_sample), and the samples change with the seed."""
+    def run(seed: int, **gen):
+        lm = _lm(ckpts["ar"], seed=seed)
+        texts = lm.generate_until(_requests("generate_until", [(p, {"max_gen_toks": 12, **gen}) for p in PROMPTS]))
+        (settings,) = lm.usage.report()["-"]["generate_until"]["settings"]
+        return texts, settings["sampler"], settings["temperature"]
+
+    greedy, name, _ = run(0)
+    assert name == "ar_greedy" and run(5) == run(0) == run(0, do_sample=False)
+    for gen in ({"do_sample": True}, {"temperature": 0.9}):
+        (a, name, temperature), (b, _, _) = run(0, **gen), run(1, **gen)
+        assert name == "ar_sample" and temperature == gen.get("temperature", 1.0)
+        assert a != b and greedy not in (a, b)
+
+
+def test_temperature_zero_with_a_diffusion_sampler_is_refused(ckpts):
+    lm = _lm(ckpts["mixture"])
+    with pytest.raises(ValueError, match="temperature=0 asks for greedy decoding, which diffusion sampler 'ancestral' "
+                                         "does not have; set a temperature > 0"):
+        lm.generate_until(_requests("generate_until", [("the", {"temperature": 0, "do_sample": False})]))
+
+
+def test_seed_defaults_to_the_torch_seed_lm_eval_sets(ckpts):
+    """Without model arg `seed`, --seed (which seeds torch before the model is built) changes the samples."""
+    def texts(torch_seed: int, **kwargs):
+        torch.manual_seed(torch_seed)
+        lm = _lm(ckpts["mixture"], **kwargs)
+        return lm.args.seed, lm.generate_until(_requests("generate_until", [(p, {"max_gen_toks": 8}) for p in PROMPTS]))
+
+    (seed, five), (_, six) = texts(5), texts(6)
+    assert seed == 5 and five != six and texts(5) == (5, five)
+    assert texts(5, seed=7) == texts(6, seed=7)  # an explicit seed wins
+
+
+def test_empty_context_generates_up_to_seq_len_minus_one(ckpts):
+    """Unconditional samples (context "": the prompt is BOS) may fill the whole window on the grid layout."""
+    lm = _lm(ckpts["mixture"], seed=2)
+    (text,) = lm.generate_until(_requests("generate_until", [("", {"max_gen_toks": SEQ_LEN - 1})]))
+    report = lm.usage.report()["-"]["generate_until"]
+    assert report["settings"][0]["max_gen_toks"] == SEQ_LEN - 1 and report["truncated_requests"] == 0
+    too_long = lm.generate_until(_requests("generate_until", [("", {"max_gen_toks": 5 * SEQ_LEN})]))
+    assert lm.usage.report()["-"]["generate_until"]["settings"][-1]["max_gen_toks"] == SEQ_LEN - 1  # clamped, recorded
+    assert isinstance(too_long[0], str)
+
+
+def test_mc_stderr_is_a_calibrated_error_bar_and_crn_shrinks_differences(ckpts):
+    """The delta-method MC standard error matches the spread of the bound over seeds (conservatively:
+    the draws are stratified), and two choices of one context differ with a smaller error than their
+    own errors combined (common random numbers)."""
+    from blockgen.harness.lm_eval_adapter import RequestScore, Window, paired_mc_stderr, score_windows
+
+    model, tok = load_checkpoint(ckpts["mixture"])
+    context = [special_tokens(tok).bos, *tok.encode("the happy dog chases the", add_special_tokens=False)]
+    a, b = (Window(tuple(context + tok.encode(w, add_special_tokens=False)), len(context)) for w in (" box .", " tree ."))
+    scores = [score_windows(model, [a, b], [seed, seed], k_mc=4, pad_id=0) for seed in range(48)]
+    spread = statistics.stdev(s[0].lse for s in scores)
+    reported = statistics.fmean(RequestScore(-s[0].lse, False, (s[0],)).mc_stderr for s in scores)
+    assert 0.5 * reported < spread < 1.2 * reported
+    pairs = [(RequestScore(-x.lse, False, (x,)), RequestScore(-y.lse, False, (y,))) for x, y in scores]
+    paired = statistics.fmean(paired_mc_stderr(x, y) for x, y in pairs)
+    assert paired < 0.8 * statistics.fmean(math.hypot(x.mc_stderr, y.mc_stderr) for x, y in pairs)
+    assert statistics.stdev(x.logp - y.logp for x, y in pairs) < 1.2 * paired
 
 
 def test_use_cache_is_keyed_by_checkpoint(ckpts, tmp_path):
@@ -267,7 +387,8 @@ def single_process(ckpts, tmp_path_factory) -> dict:
 
 METRICS = {"blockgen_toy_cloze": ["perplexity,none", "acc,none"],
            "blockgen_toy_ppl": ["word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"],
-           "blockgen_toy_gen": ["exact_match,none"]}
+           "blockgen_toy_gen": ["exact_match,none"],
+           "blockgen_toy_mc": ["acc,none"]}
 
 
 def test_lm_eval_command_runs_three_task_types(ckpts, single_process):
@@ -281,6 +402,21 @@ def test_lm_eval_command_runs_three_task_types(ckpts, single_process):
     assert info["blockgen"]["block_sizes"] == [1, 8] and info["blockgen"]["block_weights"] == [0.2, 0.8]
     assert info["blockgen"]["k_mc"] == 2 and info["blockgen"]["seed"] == 3
     assert info["blockgen"]["sampler"]["name"] == "ancestral" and info["blockgen"]["sampler"]["steps"] == 4
+    # what each task really ran with (README: "What the results JSON records")
+    tasks = info["blockgen"]["tasks"]
+    gen = tasks["blockgen_toy_gen"]["generate_until"]
+    (row,) = gen["settings"]
+    assert (row["sampler"], row["steps"], row["layout"], row["max_gen_toks"], row["block_size"]) == ("ancestral", 4, "grid", 8, 8)
+    assert row["paper_nfe_per_block"] == row["model_calls_per_block"] == 4
+    assert gen["model_calls"] == row["model_calls"] > 0 and gen["requests"] == row["requests"] == 4
+    assert gen["truncated_requests"] == 0 and gen["generated_tokens"] > 0
+    cloze = tasks["blockgen_toy_cloze"]["loglikelihood"]
+    assert cloze["requests"] == 4 and cloze["k_mc"] == 2 and cloze["choice_docs"] == 0
+    assert sorted(cloze["mc_stderr_by_doc"]) == ["0", "1", "2", "3"] and cloze["mc_stderr_mean"] >= 0
+    mc = tasks["blockgen_toy_mc"]["loglikelihood"]
+    assert mc["requests"] == 36 and mc["choice_docs"] == 4 and 0 <= mc["expected_seed_disagreement"] <= 0.5
+    assert all(len(v) == 9 for v in mc["mc_stderr_by_doc"].values())
+    assert tasks["blockgen_toy_ppl"]["loglikelihood_rolling"]["requests"] == 4
     (samples,) = single_process["out"].rglob("samples_blockgen_toy_gen_*.jsonl")
     for line in samples.read_text().splitlines():
         text = json.loads(line)["resps"][0][0]
@@ -305,6 +441,22 @@ def test_torchrun_two_ranks_agree_with_one_process(ckpts, single_process, tmp_pa
         for metric in metrics:
             # equal up to float32 rounding: the two runs batch different windows together
             assert dp[task][metric] == pytest.approx(single[task][metric], rel=1e-6), (task, metric)
+    assert _generated(tmp_path) == _generated(single_process["out"])  # the same texts, whatever the rank
+    dp_tasks = _results(tmp_path)["config"]["blockgen"]["tasks"]  # rank 0 reports both ranks' work
+    single_tasks = single_process["results"]["config"]["blockgen"]["tasks"]
+    for task, kind in (("blockgen_toy_gen", "generate_until"), ("blockgen_toy_mc", "loglikelihood")):
+        assert dp_tasks[task][kind]["requests"] == single_tasks[task][kind]["requests"]
+    assert dp_tasks["blockgen_toy_gen"]["generate_until"]["generated_tokens"] == \
+        single_tasks["blockgen_toy_gen"]["generate_until"]["generated_tokens"]
+    dp_se, single_se = (t["blockgen_toy_mc"]["loglikelihood"]["mc_stderr_by_doc"] for t in (dp_tasks, single_tasks))
+    assert sorted(dp_se) == sorted(single_se)
+    for doc in single_se:
+        assert dp_se[doc] == pytest.approx(single_se[doc], rel=1e-4, abs=1e-6)
+
+
+def _generated(out: Path) -> dict[int, str]:
+    (samples,) = out.rglob("samples_blockgen_toy_gen_*.jsonl")
+    return {(row := json.loads(line))["doc_id"]: row["resps"][0][0] for line in samples.read_text().splitlines()}
 
 
 def test_python_m_blockgen_lm_eval_without_the_hook(ckpts, single_process, tmp_path):
@@ -319,6 +471,34 @@ def test_python_m_blockgen_lm_eval_without_the_hook(ckpts, single_process, tmp_p
         assert got["blockgen_toy_cloze"][metric] == pytest.approx(want["blockgen_toy_cloze"][metric], rel=1e-6)
     probe = "from lm_eval.api.registry import get_model\ntry:\n get_model('blockgen')\nexcept ValueError:\n print('absent')"
     assert _run([sys.executable, "-c", probe], env=env).stdout.strip() == "absent"
+
+
+def test_lm_eval_checks_gen_kwargs_and_chat_template_before_any_request(ckpts):
+    """A bad gen_kwargs of a generation task listed after a log-likelihood task fails before any request
+    runs; --apply_chat_template on a checkpoint without a chat template says so."""
+    base = [str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={ckpts['mixture']}",
+            "--tasks", "blockgen_toy_cloze,blockgen_toy_gen", "--limit", "1", "--device", "cpu"]
+    proc = _run([*base, "--gen_kwargs", "steps=0"])
+    assert proc.returncode != 0
+    assert "blockgen, task blockgen_toy_gen: gen_kwargs" in proc.stderr and "steps=0; must be an integer >= 1" in proc.stderr
+    assert "Running loglikelihood requests" not in proc.stderr and "Building contexts" not in proc.stderr
+    proc = _run([*base, "--apply_chat_template"])
+    assert proc.returncode != 0
+    assert "has no chat template (BlockGen models are trained on plain text); run without --apply_chat_template" in proc.stderr
+
+
+def test_lm_eval_truncation_is_reported(ckpts, tmp_path):
+    """Prompts that do not fit (here: --num_fewshot 12 examples in a 64-token window) are cut with a
+    warning that counts requests and tokens and names --num_fewshot; the results JSON counts them too."""
+    proc = _run([str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={ckpts['mixture']},k_mc=2,steps=4",
+                 "--tasks", "blockgen_toy_cloze,blockgen_toy_gen", "--limit", "2", "--device", "cpu",
+                 "--num_fewshot", "12", "--output_path", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kind, task in (("loglikelihood", "blockgen_toy_cloze"), ("generate_until", "blockgen_toy_gen")):
+        assert f"blockgen {kind}, task {task}: 2 of 2 requests'" in proc.stderr
+        counts = _results(tmp_path)["config"]["blockgen"]["tasks"][task][kind]
+        assert counts["truncated_requests"] == 2 and counts["truncated_tokens"] > 0
+    assert "the prompts carry --num_fewshot 12 examples: lower --num_fewshot" in proc.stderr
 
 
 def test_lm_eval_bad_model_args_fail_early(ckpts, tmp_path):

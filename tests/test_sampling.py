@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from blockgen.models.diffusion import RowGenerators, UniformPrior, sample_categorical
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import (
+    BLOCK_LAYOUTS,
     SAMPLERS,
     Decoder,
     SamplerConfig,
@@ -16,8 +19,10 @@ from blockgen.models.sampling import (
     calls_per_block,
     check_config,
     generate,
+    max_prompt_len,
     paper_nfe_per_block,
     renoise_count,
+    split_prompt,
     step_alphas,
 )
 
@@ -126,6 +131,43 @@ def test_padded_batch_matches_single_rows(masked):
                 assert (g[r] - w[0]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("causal", [True, False], ids=["token-causal", "block-causal"])
+def test_grid_first_block_equals_training_layout(prior, causal):
+    """Grid layout: prompts of different lengths commit P - P mod L' tokens, their tails sit clean in
+    the first noisy block; its logits (and ARPC's AR pass) == forward_train with the tail kept clean in
+    the noisy stream, as training's condition_mask does. Cached and uncached; no key appears twice."""
+    sizes = (1, 4, 8) if causal else (4, 8)
+    model = tiny_model(prior, causal, sizes)
+    block = 8
+    lengths = [19, 8, 13, 3]  # tails 3, 0, 5, 3
+    x0 = torch.randint(0, V, (len(lengths), 40), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        for use_cache in (True, False):
+            splits = [split_prompt(x0[r, :n].tolist(), block, "grid") for r, n in enumerate(lengths)]
+            assert [len(t) for _, t in splits] == [n % block for n in lengths]
+            dec = Decoder(model, [p for p, _ in splits], pad_id=0, block_size=block, use_cache=use_cache, tails=[t for _, t in splits])
+            assert dec.generated == [block - n % block for n in lengths]
+            z = dec.pin(model.prior.prior_sample((len(lengths), block), generator=torch.Generator().manual_seed(1)))
+            got = dec.denoise(z)
+            proposal = dec.pin(torch.randint(0, V, (len(lengths), block), generator=torch.Generator().manual_seed(2)))
+            got_ar = dec.ar_pass(proposal)[0] if causal else None
+            for r, n in enumerate(lengths):
+                g = n - n % block  # the row's grid start
+                assert torch.equal(z[r, : n % block], x0[r, g:n])  # the tail, clean in the noisy block
+                x = x0[r : r + 1, : g + block].clone()
+                xt = model.prior.noise(x, torch.tensor(0.5), torch.Generator().manual_seed(3))
+                xt[:, g : g + block] = z[r]
+                want = model.dit.forward_train(x, xt, block)[:, g : g + block]
+                assert (got[r] - want[0]).abs().max() <= 1e-4, (r, use_cache)
+                if causal:  # the AR pass over [prefix ; proposal] at block size 1
+                    x[:, g : g + block] = proposal[r]
+                    want_ar = model.dit.forward_train(x, model.prior.fully_noised(x.shape), 1)[:, g : g + block]
+                    assert (got_ar[r] - want_ar[0]).abs().max() <= 1e-4, (r, use_cache)
+            if use_cache:
+                assert len(dec.cache) == max(len(p) for p, _ in splits)  # the committed prefixes only
+
+
 # ------------------------------------------------------------------------------- samplers
 
 
@@ -150,31 +192,39 @@ def hand_informed_steps(steps: int, ge: int, warmup: int) -> list[int]:
     return [i for i in range(warmup, steps, ge)]
 
 
-def test_model_calls_follow_the_rule(masked, monkeypatch):
-    """Counted forward passes == the documented rule; the paper label == appendix D's formula."""
+@pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
+def test_model_calls_follow_the_rule(masked, monkeypatch, layout):
+    """Counted forward passes == the documented rule; the paper label == appendix D's formula.
+
+    Grid layout: prompts of 2 and 3 tokens sit in the first block, so 16 new tokens take 3 blocks.
+    """
     calls = []
     real = masked.dit.forward_cached
     monkeypatch.setattr(masked.dit, "forward_cached", lambda *a, **k: calls.append(1) or real(*a, **k))
-    block, n_blocks = 8, 2
-    for steps in range(1, 8):
+    block = 8
+    n_blocks = 3 if layout == "grid" else 2
+    for steps in range(1, 8) if layout == "prompt_end" else (1, 4, 7):
         for ge in range(1, 4):
             for warmup in range(steps):
                 for name in ("ancestral", "eipc", "arpc"):
                     if name == "ancestral" and (ge, warmup) != (1, 0):
                         continue
-                    config = SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, block_size=block, max_new_tokens=n_blocks * block)
+                    config = SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, block_size=block, max_new_tokens=2 * block, layout=layout)
                     calls.clear()
                     result = generate(masked, [[1, 2], [3, 4, 5]], config, eos_id=-1, pad_id=0)
                     informed = hand_informed_steps(steps, ge, warmup) if name != "ancestral" else []
-                    skipped = [i for i in informed if round((1 - step_alphas(i, steps, 1e-3)[1]) * block) == 0]
+                    # k = max(1, round((1 - alpha_s) n)) before the last step: only the last step's pass is skipped
+                    skipped = [i for i in informed if i == steps - 1]
+                    assert all(renoise_count(i, steps, n, 1e-3) >= 1 for i in range(steps - 1) for n in (1, 5, block))
+                    assert renoise_count(steps - 1, steps, block, 1e-3) == 0
                     passes = len(informed) - len(skipped) if name == "arpc" else 0
+                    assert result.n_blocks == n_blocks
                     assert len(calls) == result.model_calls == n_blocks * (steps + passes)
                     assert result.model_calls_per_block == steps + passes == calls_per_block(config, block)
                     paper = steps + (steps - 1 - warmup) // ge + 1 if name == "arpc" else steps
                     assert result.paper_nfe_per_block == paper
                     if name == "arpc":
                         assert paper - result.model_calls_per_block == len(skipped)
-                        assert (steps - 1 in informed) <= (steps - 1 in skipped)  # the last step's pass is skipped
     # The worked examples of appendix D, at L' = 16: no informed step has k = 0, so label == count.
     for (steps, ge, warmup), nfe in {(3, 3, 0): 4, (12, 3, 0): 16, (14, 4, 8): 16}.items():
         config = SamplerConfig("arpc", steps=steps, ge=ge, warmup=warmup, block_size=16)
@@ -272,9 +322,11 @@ def eos_at_9(pos):
     return torch.where(pos == 9, EOS, 3 + pos % 5)
 
 
-@pytest.mark.parametrize("config", [SamplerConfig("ancestral", steps=2, block_size=4, max_new_tokens=10), SamplerConfig("ar_greedy", max_new_tokens=10)], ids=["ancestral", "ar"])
-def test_eos_stop_and_length(monkeypatch, config):
+@pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
+@pytest.mark.parametrize("name", ["ancestral", "ar_greedy"])
+def test_eos_stop_and_length(monkeypatch, name, layout):
     """EOS at absolute position 9; BOS == EOS opens every prompt and EOS also sits inside prompts."""
+    config = SamplerConfig(name, steps=2, block_size=None if name == "ar_greedy" else 4, max_new_tokens=10, layout=layout)
     model = tiny_model("masked")
     script = Script(V + 1, eos_at_9)
     monkeypatch.setattr(model.dit, "forward_cached", script)
@@ -296,39 +348,84 @@ def test_eos_stop_and_length(monkeypatch, config):
     result = generate(model, prompts, config, eos_id=-1, pad_id=1, stop=stops)
     assert result.finish_reasons == ["length", "stop", "length", "stop"]
     step = config.block_size or 1
-    assert len(result.tokens[1]) == step and 4 in result.tokens[3]
+    first = step - (lengths[1] % step if layout == "grid" else 0)  # a grid's first block holds the prompt's tail
+    assert len(result.tokens[1]) == first and 4 in result.tokens[3]
     assert [len(t) for t in (result.tokens[0], result.tokens[2])] == [10, 10]
 
 
-@pytest.mark.parametrize("name", ["arpc", "eipc"])
-def test_informed_step_renoises_only_the_lowest_scores(monkeypatch, name):
-    """k = round((1 - alpha_s) L') lowest-scoring positions go through q_s(. | x~; alpha_s); the rest stay x~."""
-    model = tiny_model("masked")
+def scripted_informed_model(name: str, prior: str, monkeypatch) -> BlockGen:
+    """A model whose proposal at position p is 3 + p % 5 and whose scores fall with the position."""
+    model = tiny_model(prior)
+    vocab = V + 1 if prior == "masked" else V
     if name == "arpc":  # AR score decreasing with the position: the bottom k are the last k
-        script = Script(V + 1, lambda pos: 3 + pos % 5, ar_bias=lambda pos: 20.0 - pos)
+        script = Script(vocab, lambda pos: 3 + pos % 5, ar_bias=lambda pos: 20.0 - pos)
     else:  # diffusion confidence decreasing with the position: the entropy ranks the same way
-        script = Script(V + 1, lambda pos: 3 + pos % 5)
-        real = script.__call__
+        real = Script(vocab, lambda pos: 3 + pos % 5)
 
-        def graded(tokens, layout, cache, n_commit=0):
+        def script(tokens, layout, cache, n_commit=0):
             logits = real(tokens, layout, cache, n_commit)
-            pos = layout.expand(tokens.shape[0]).positions[:, layout.expand(tokens.shape[0]).noisy[0]]
-            return logits * (1.0 - 0.1 * pos[..., None].float())
+            expanded = layout.expand(tokens.shape[0])
+            noisy = expanded.noisy[0]
+            offset = expanded.positions[:, noisy] - expanded.block_ids[:, noisy]  # index inside the block
+            return logits * (1.0 - 0.05 * offset[..., None].float())
 
-        script = graded
     monkeypatch.setattr(model.dit, "forward_cached", script)
+    return model
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("name", ["arpc", "eipc"])
+def test_informed_step_renoises_all_k_lowest(monkeypatch, name, prior):
+    """Exactly the k = round((1 - alpha_s) L') lowest-scoring positions are re-noised, every one of
+    them with a draw from the prior ([MASK]; for uniform the prior draw of that step), the rest stay
+    x~. Grid layout: a prompt tail is never chosen and k counts the positions the row generates."""
+    model = scripted_informed_model(name, prior, monkeypatch)
+    draws = []
+    if prior == "uniform":  # record the prior draws: the informed step's re-noising is the second one
+        real_sample = UniformPrior.prior_sample
+        monkeypatch.setattr(UniformPrior, "prior_sample", lambda self, *a, **k: draws.append(real_sample(self, *a, **k)) or draws[-1])
     steps, block = 2, 8
-    k = renoise_count(0, steps, block, 1e-3)
     alpha_s = step_alphas(0, steps, 1e-3)[1]
-    assert k == 4
-    after_informed = []
-    config = SamplerConfig(name, steps=steps, ge=5, block_size=block, max_new_tokens=block, seed=0)
-    generate(model, [[]] * 600, config, eos_id=-1, pad_id=1, trace=lambda b, i, z: after_informed.append(z) if i == 0 else None)
-    z = after_informed[0]
-    renoised = z == model.prior.mask_id
-    assert not renoised[:, : block - k].any()
-    assert torch.equal(z[~renoised], (3 + torch.arange(block) % 5).expand_as(z)[~renoised])
-    assert abs(renoised[:, block - k :].float().mean().item() - (1 - alpha_s)) < 0.05
+    assert renoise_count(0, steps, block, 1e-3) == round((1 - alpha_s) * block) == 4
+    prompts = [[], [1] * 8, [1, 2, 3], [1] * 7, [1] * 13]  # grid tails 0, 0, 3, 7, 5
+    for layout in BLOCK_LAYOUTS:
+        after_informed = []
+        draws.clear()
+        config = SamplerConfig(name, steps=steps, ge=5, block_size=block, max_new_tokens=block, seed=0, layout=layout)
+        generate(model, prompts, config, eos_id=-1, pad_id=1, trace=lambda b, i, z: after_informed.append(z) if (b, i) == (0, 0) else None)
+        z = after_informed[0]
+        for r, p in enumerate(prompts):
+            tail = len(p) % block if layout == "grid" else 0
+            start = len(p) - tail  # the block's first position
+            proposal = 3 + (start + torch.arange(block)) % 5
+            proposal[:tail] = torch.tensor(p[start:])
+            k = renoise_count(0, steps, block - tail, 1e-3)
+            assert k == max(1, round((1 - alpha_s) * (block - tail)))
+            chosen = torch.arange(block) >= block - k  # the last k: the lowest scores, never the tail
+            noise = model.prior.mask_id if prior == "masked" else draws[1][r]
+            expected = torch.where(chosen, torch.as_tensor(noise), proposal)
+            assert torch.equal(z[r], expected), (layout, r, z[r], expected)
+            if prior == "masked":
+                assert int((z[r] == model.prior.mask_id).sum()) == k
+
+
+def test_row_generators_draw_per_row():
+    """Per-row draws: the right distribution, and a row's draws are the same alone or in a batch."""
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    draws = sample_categorical(probs.expand(2, 20_000, 4), RowGenerators([0, 1]))
+    for row in draws:
+        freq = torch.bincount(row, minlength=4).double() / row.numel()
+        assert (freq - probs.double()).abs().max() < 0.015 and freq[1] == 0
+    p = torch.softmax(torch.randn(5, 6, 11, generator=torch.Generator().manual_seed(0)), -1)
+    batch = sample_categorical(p, RowGenerators([7, 8, 9, 10, 11]))
+    for r, seed in enumerate([7, 8, 9, 10, 11]):
+        assert torch.equal(batch[r], sample_categorical(p[r : r + 1], RowGenerators([seed]))[0])
+    gens = RowGenerators([3, 4, 5])
+    gens.uniform((3, 2))
+    kept = gens.select([2])
+    assert torch.equal(kept.uniform((1, 4)), RowGenerators([5]).uniform((1, 6))[:, 2:])
+    with pytest.raises(ValueError, match="3 rows"):
+        gens.uniform((2, 4))
 
 
 # ------------------------------------------------------------------------------ uniform prior
@@ -359,12 +456,64 @@ def test_uniform_ancestral_runs_and_ends_on_the_denoiser(monkeypatch, uniform):
     assert result.tokens[0] == [3 + p % 5 for p in range(2, 18)]  # at s = 0 the posterior is x itself
 
 
-def test_uncached_generation_matches_cached(masked):
-    prompts = [[1, 2, 3], [4, 5]]
-    for config in (SamplerConfig("arpc", steps=4, ge=2, max_new_tokens=16, seed=3), SamplerConfig("ar_greedy", max_new_tokens=8)):
-        cached = generate(masked, prompts, config, eos_id=-1, pad_id=0)
-        plain = generate(masked, prompts, config, eos_id=-1, pad_id=0, use_cache=False)
-        assert cached.tokens == plain.tokens and cached.model_calls == plain.model_calls
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("causal", [True, False], ids=["token-causal", "block-causal"])
+def test_uncached_generation_matches_cached(prior, causal, masked, uniform):
+    """Both layouts: the KV cache changes no sample and no call count (ARPC's AR pass included)."""
+    model = (masked if prior == "masked" else uniform) if causal else tiny_model(prior, causal=False, sizes=(4, 8))
+    prompts = [[1, 2, 3], [4, 5], list(range(1, 12)), [6] * 8]
+    names = ("ancestral", "eipc", "arpc", "ar_greedy") if causal else ("ancestral", "eipc")
+    for layout in BLOCK_LAYOUTS:
+        for name in names:
+            config = SamplerConfig(name, steps=4, ge=2, max_new_tokens=16 if name != "ar_greedy" else 8, seed=3, layout=layout)
+            cached = generate(model, prompts, config, eos_id=-1, pad_id=0)
+            plain = generate(model, prompts, config, eos_id=-1, pad_id=0, use_cache=False)
+            assert cached.tokens == plain.tokens and cached.model_calls == plain.model_calls, (layout, name)
+            assert all(len(t) == config.max_new_tokens for t in cached.tokens)
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("layout", BLOCK_LAYOUTS)
+def test_per_row_seeds_make_rows_batch_independent(prior, layout, masked, uniform):
+    """With seeds, a row's text is the same alone and in a batch of 16 mixed-length prompts."""
+    model = masked if prior == "masked" else uniform
+    lengths = [0, 1, 3, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 20, 23, 30]
+    prompts = [[(7 * r + j) % V for j in range(n)] for r, n in enumerate(lengths)]
+    seeds = [1000 + 37 * r for r in range(len(prompts))]
+    for name in ("ancestral", "eipc", "arpc", "ar_sample"):
+        config = SamplerConfig(name, steps=4, ge=2, temperature=0.7, max_new_tokens=12, layout=layout)
+        batch = generate(model, prompts, config, eos_id=-1, pad_id=0, seeds=seeds).tokens
+        alone = [generate(model, [p], config, eos_id=-1, pad_id=0, seeds=[s]).tokens[0] for p, s in zip(prompts, seeds)]
+        assert batch == alone, name
+        shuffled = generate(model, prompts[::-1], config, eos_id=-1, pad_id=0, seeds=seeds[::-1]).tokens
+        assert shuffled[::-1] == batch, name
+    assert generate(model, prompts[:2], config, eos_id=-1, pad_id=0).tokens == [
+        generate(model, [p], replace(config, seed=config.seed + r), eos_id=-1, pad_id=0).tokens[0] for r, p in enumerate(prompts[:2])
+    ]  # default: row i uses config.seed + i
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generate(model, prompts[:3], config, eos_id=-1, pad_id=0, seeds=[1, 2])
+
+
+def test_grid_layout_keeps_the_prompt_tail_and_the_room(masked):
+    """Grid: the tail is never returned and a prompt of P tokens gets up to seq_len - P new tokens;
+    prompts whose length is a multiple of L' sample exactly as with prompt_end."""
+    block, seq_len = 8, masked.config.seq_len
+    config = SamplerConfig("eipc", steps=3, block_size=block, max_new_tokens=seq_len - 21, layout="grid")
+    assert max_prompt_len(masked, config) == 21
+    assert max_prompt_len(masked, replace(config, layout="prompt_end")) == seq_len - 48  # 43 new tokens: 6 whole blocks
+    prompt = list(range(1, 22))
+    result = generate(masked, [prompt, [2, 3]], config, eos_id=-1, pad_id=0)
+    assert [len(t) for t in result.tokens] == [43, 43]
+    assert result.n_blocks == 6  # ceil((2 + 43) / 8); the 21-token prompt's row needs 6 as well
+    with pytest.raises(ValueError, match=r"seq_len 64.*truncate prompts to 21 tokens"):
+        generate(masked, [prompt + [1]], config, eos_id=-1, pad_id=0)
+    with pytest.raises(ValueError, match="truncate prompts to 16 tokens"):
+        generate(masked, [prompt], replace(config, layout="prompt_end"), eos_id=-1, pad_id=0)
+    aligned = [list(range(1, 17)), [], [5] * 8]
+    for name in ("ancestral", "arpc"):
+        runs = [generate(masked, aligned, SamplerConfig(name, steps=3, max_new_tokens=16, layout=layout), eos_id=-1, pad_id=0)
+                for layout in BLOCK_LAYOUTS]
+        assert runs[0].tokens == runs[1].tokens and runs[0].model_calls == runs[1].model_calls
 
 
 # ------------------------------------------------------------------------------ configuration
@@ -383,6 +532,7 @@ def test_uncached_generation_matches_cached(masked):
         (dict(name="ar_greedy", block_size=16), ["block_size", "1"]),
         (dict(block_size=1), ["ar_sample", "ar_greedy"]),
         (dict(max_new_tokens=0), ["max_new_tokens"]),
+        (dict(layout="aligned"), ["layout", "grid", "prompt_end"]),
     ],
 )
 def test_bad_sampler_configs(kwargs, words):
@@ -427,6 +577,12 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert len(rows) == 4 and rows[0]["paper_nfe_per_block"] == 4 and rows[0]["sampler"]["name"] == "arpc"
     assert all(len(r["tokens"]) <= 16 and special.eos not in r["tokens"] for r in rows)
     assert "model calls per block" in capsys.readouterr().out
+    # Sample j is seeded --seed + j: the same samples at any --batch-size, and with either layout flag.
+    one = tmp_path / "one.jsonl"
+    assert main(argv[:-4] + ["--batch-size", "1", "--out", str(one), "--quiet", "--layout", "grid"]) == 0
+    assert [json.loads(line)["tokens"] for line in one.read_text().splitlines()] == [r["tokens"] for r in rows]
+    assert main(argv[:-2] + ["--out", str(one), "--quiet", "--layout", "prompt_end"]) == 0
+    assert all(json.loads(line)["sampler"]["layout"] == "prompt_end" for line in one.read_text().splitlines())
     assert main(argv[:2] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
     assert "[1, 8]" in capsys.readouterr().err
 

@@ -2,7 +2,8 @@
 
 lm-eval 0.4.13 has no plugin discovery. The start-up hook (``blockgen/_lm_eval_hook.py``) calls
 `register_model` and `add_task_dir` as soon as lm-eval imports the modules they change, so the
-plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks.
+plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks, and
+`check_before_evaluate`, so the model checks every task's settings before any request runs.
 
 ``python -m blockgen.lm_eval ...`` (or ``torchrun -m blockgen.lm_eval ...``) takes exactly
 ``lm_eval``'s arguments and registers directly, so it works without the hook too (``python -S``,
@@ -64,13 +65,37 @@ def add_task_dir(manager) -> None:
     cls.__init__ = __init__
 
 
+def check_before_evaluate(evaluator) -> None:
+    """Let a model check the tasks before any request is built or run: `lm_eval.evaluator.evaluate`
+    first calls ``lm.check_tasks(task_dict)`` when the model has one (``blockgen`` validates every
+    task's gen_kwargs there, so a bad one fails before hours of log-likelihood work)."""
+    original = evaluator.evaluate
+    if getattr(original, "_blockgen_checks", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        lm = bound.arguments.get("lm")
+        check = getattr(getattr(lm, "lm", lm), "check_tasks", None)  # --use_cache wraps the model as .lm
+        if callable(check):
+            check(bound.arguments.get("task_dict"))
+        return original(*args, **kwargs)
+
+    evaluate._blockgen_checks = True
+    evaluator.evaluate = evaluate
+
+
 def register() -> None:
     """Register the model and the task folder now (idempotent; errors are raised, not warned)."""
     import lm_eval.api.registry
+    import lm_eval.evaluator
     import lm_eval.tasks.manager
 
     register_model(lm_eval.api.registry)
     add_task_dir(lm_eval.tasks.manager)
+    check_before_evaluate(lm_eval.evaluator)
 
 
 def main() -> None:

@@ -1,0 +1,208 @@
+"""lm-eval tasks ``gsm8k_code`` and ``gsm8k_code_embedded``: word problems answered by a program.
+
+The model writes a TinyGSM-style ``simple_math_problem()`` for each question; the program runs in
+the sandbox (`blockgen.tasks.sandbox`) and its return value is compared with the reference answer
+(integers exactly, floats to 1e-3).
+
+- ``gsm8k_code``: GSM8K's test split (``openai/gsm8k``, config ``main``, 1,319 questions), or a
+  local JSON/JSONL file of the same schema (``question``, ``answer`` ending in ``#### N``) given as
+  ``--metadata '{"gsm8k_path": "test.jsonl"}'``.
+- ``gsm8k_code_embedded``: the offline twin, on the embedded generator's held-out test split
+  (`blockgen.harness.wordproblems`, seed 0): the first ``embedded_problems`` (500) problems it
+  draws, whatever the tokenizer, so every checkpoint sees the same problems. About 30 % have a
+  structure never used in training; ``exact_match_heldout`` and ``exact_match_in_distribution``
+  score the two parts apart.
+
+Prompt: the exact ids a checkpoint was trained on, ``[BOS] question SEP`` (`encode_prompt`). lm-eval
+hands the model a string, which the blockgen adapter encodes as BOS + the tokenizer's encoding, so
+the context is the question followed by the separator's text (the tokenizer's SEP token such as
+``<|sep|>``, or a newline for tokenizers without one), and every context is checked to encode to
+exactly the training ids when the data load. The tokenizer is the checkpoint's: lm-eval passes
+``--model_args`` to tasks as metadata, so ``pretrained=DIR`` names it.
+
+Scoring: `ExecutePrograms` (an lm-eval filter: it receives every response of the run at once)
+extracts each program and runs them all in parallel in the sandbox, never in the evaluating
+process; `process_results` compares each value with the answer. Metrics: ``exact_match`` and the
+share of each outcome (``outcome_wrong_answer``, ``outcome_syntax_error``, ...); with
+``--log_samples`` each sample keeps its program, outcome, value and error (``filtered_resps``, a
+JSON object per sample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from lm_eval.api.filter import Filter
+from lm_eval.api.samplers import ContextSampler
+from tqdm import tqdm
+
+from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, is_correct, run_many
+
+GSM8K_HUB = ("openai/gsm8k", "main", "test")
+EMBEDDED_PROBLEMS = 500
+EMBEDDED_SEED = 0
+# Every verdict but "correct", in the order the results list them.
+OUTCOMES = (
+    "wrong_answer", "not_a_number", "exception", "syntax_error", "timeout", "memory", "killed",
+    "sandbox_error",
+)
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def checkpoint_tokenizer(pretrained: str):
+    """(tokenizer, SpecialTokens) of a checkpoint: the special ids recorded at training time, else
+    the tokenizer's own (a Hugging Face model directory or name, as lm-eval's hf backend takes)."""
+    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
+
+    try:
+        recorded = read_config(pretrained).special_tokens
+    except CheckpointError:  # not a BlockGen checkpoint: e.g. --model hf
+        return (tokenizer := load_tokenizer(pretrained)), special_tokens(tokenizer)
+    from transformers import PreTrainedTokenizerFast  # as `load_checkpoint` reads it
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pretrained))
+    return tokenizer, SpecialTokens.from_dict(recorded) if recorded else special_tokens(tokenizer)
+
+
+def prompt_contexts(questions: list[str], tokenizer, special) -> list[str]:
+    """Context strings that encode to exactly `encode_prompt(question)` without its BOS.
+
+    The separator's text is appended to each question; a tokenizer that merged it with the
+    question's last characters would change the ids, so every context is checked.
+    """
+    from blockgen.harness.data import encode_prompt
+
+    sep = tokenizer.decode(list(special.sep), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    contexts = [q + sep for q in questions]
+    got = tokenizer(contexts, add_special_tokens=False)["input_ids"] if contexts else []
+    bad = [i for i, (q, ids) in enumerate(zip(questions, got)) if ids != encode_prompt(q, tokenizer, special)[1:]]
+    if bad:
+        raise ValueError(
+            f"{len(bad)} of {len(questions)} prompts do not encode to the training ids [BOS] question SEP "
+            f"with this tokenizer (separator {sep!r}); first: question {bad[0]}: {questions[bad[0]][-80:]!r}"
+        )
+    return contexts
+
+
+def _tokenizer_from(metadata: dict[str, Any]):
+    pretrained = metadata.get("pretrained")
+    if not pretrained:
+        raise ValueError(
+            "gsm8k_code builds each prompt with the checkpoint's tokenizer, named by pretrained=DIR in "
+            "--model_args (lm-eval passes model args to tasks as metadata); with a TaskManager of your "
+            "own, pass metadata={'pretrained': DIR}"
+        )
+    return checkpoint_tokenizer(str(pretrained))
+
+
+def _dataset(rows: list[dict], metadata: dict[str, Any]):
+    from datasets import Dataset, DatasetDict
+
+    tokenizer, special = _tokenizer_from(metadata)
+    contexts = prompt_contexts([r["question"] for r in rows], tokenizer, special)
+    return DatasetDict({"test": Dataset.from_list([{**r, "prompt": c} for r, c in zip(rows, contexts)])})
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def load_gsm8k(gsm8k_path: str | None = None, **metadata):
+    """GSM8K's test split from the hub, or from a local file with its schema (`gsm8k_path`)."""
+    from datasets import load_dataset
+
+    from blockgen.harness.hub import HubUnavailableError, hub_call
+
+    if gsm8k_path:
+        if not os.path.isfile(gsm8k_path):
+            raise FileNotFoundError(f"gsm8k_path={gsm8k_path}: no such file")
+        data = load_dataset("json", data_files=str(gsm8k_path), split="train")
+    else:
+        name, config, split = GSM8K_HUB
+        try:
+            data = hub_call(lambda: load_dataset(name, config, split=split), f"dataset {name} ({config}, {split})")
+        except HubUnavailableError as err:
+            raise HubUnavailableError(
+                f"gsm8k_code: {err}\nWithout the hub: point the task at a local copy of the test split "
+                "(JSON or JSONL, fields `question` and `answer` ending in `#### N`) with "
+                "--metadata '{\"gsm8k_path\": \"PATH\"}', or run the offline twin: --tasks gsm8k_code_embedded"
+            ) from err
+    missing = {"question", "answer"} - set(data.column_names)
+    if missing:
+        raise ValueError(f"gsm8k_code: the data lack field(s) {sorted(missing)}; found {data.column_names}; "
+                         "expected GSM8K's schema: question, answer ending in '#### N'")
+    return _dataset([{"question": q, "answer": a} for q, a in zip(data["question"], data["answer"])], metadata)
+
+
+def generated_test_problems(n: int = EMBEDDED_PROBLEMS) -> list[dict]:
+    """The first n generated test problems (seed 0): question, answer ('#### N'), is_heldout, structure."""
+    from blockgen.harness.wordproblems import generate, is_heldout
+
+    return [
+        {"question": p.question, "answer": f"#### {p.answer}", "is_heldout": is_heldout(p), "structure": p.structure}
+        for p in generate("test", n, seed=EMBEDDED_SEED)
+    ]
+
+
+def load_embedded(embedded_problems: int = EMBEDDED_PROBLEMS, **metadata):
+    if not isinstance(embedded_problems, int) or embedded_problems < 1:
+        raise ValueError(f"embedded_problems={embedded_problems!r}; must be a positive integer")
+    return _dataset(generated_test_problems(embedded_problems), metadata)
+
+
+class ZeroShot(ContextSampler):
+    """The tasks' few-shot sampler: refuses any shot. The models were trained on a bare question
+    (`[BOS] question SEP`), so examples in front of it would be a prompt they never saw."""
+
+    def sample(self, n: int, eval_doc=None, df=None, **kwargs):
+        if n > 0:
+            raise ValueError(f"gsm8k_code tasks are zero-shot (the model sees [BOS] question SEP, as in training); "
+                             f"got --num_fewshot {n}: run without --num_fewshot (or with 0)")
+        return []
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def program_record(program: str, result: SandboxResult) -> str:
+    """What a logged sample keeps of a run, as JSON: the program, its outcome, value and error."""
+    return json.dumps({"program": program, "outcome": result.outcome.value, "value": result.value, "error": result.error})
+
+
+class ExecutePrograms(Filter):
+    """Extracts the program of every response and runs them all at once in the sandbox.
+
+    YAML options: wall_timeout_s, cpu_time_s (per program) and max_workers (default: CPU count).
+    """
+
+    def __init__(self, wall_timeout_s: float = 5.0, cpu_time_s: int = 5, max_workers: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.config = SandboxConfig(wall_timeout_s=wall_timeout_s, cpu_time_s=cpu_time_s)
+        self.max_workers = max_workers
+
+    def apply(self, resps, docs) -> list[str]:
+        programs = [extract_code(r[0] if r else "") for r in resps]  # one response per doc (repeats: 1)
+        quiet = int(os.environ.get("RANK", "0")) != 0
+        with tqdm(total=len(programs), desc="gsm8k_code: running programs in the sandbox", disable=quiet) as bar:
+            results = run_many(programs, self.config, self.max_workers, progress=lambda _: bar.update())
+        return [program_record(p, r) for p, r in zip(programs, results)]
+
+
+def verdict(record: dict, answer: str) -> str:
+    """'correct', or why not: 'wrong_answer' (a number, not the answer) or the sandbox's outcome."""
+    if record["outcome"] == "ok":
+        return "correct" if is_correct(record["value"], answer) else "wrong_answer"
+    return record["outcome"]
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    (record,) = results
+    v = verdict(json.loads(record), doc["answer"])
+    out = {"exact_match": float(v == "correct"), **{f"outcome_{o}": float(v == o) for o in OUTCOMES}}
+    if "is_heldout" in doc:  # the embedded twin: each part alone, too
+        out["exact_match_heldout" if doc["is_heldout"] else "exact_match_in_distribution"] = out["exact_match"]
+    return out

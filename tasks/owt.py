@@ -1,0 +1,205 @@
+"""lm-eval tasks ``owt_ppl`` and ``owt_genppl``, and their offline twins ``*_embedded``.
+
+``owt_ppl`` (the paper's table 1): the held-out documents of the data source (`document_split`,
+the split training validates on) are tokenized with the checkpoint's own tokenizer, joined with EOS
+and cut into chunks of the checkpoint's length (`chunk_documents`, as training does); each chunk is
+one document of the task and one request of type ``loglikelihood_windows`` with arguments
+(text, token ids): the token ids are scored whole from position 0 with the log-sum-exp bound over
+the checkpoint's block sizes, and the Jensen bound beside it; the decoded text is there for logs and
+lm-eval's sample hashes only. No text is decoded and re-encoded, so the chunks are training's own, and
+``--limit N`` scores the first N of them, the ones `blockgen train` validates on when N = n_val.
+Metrics: ``perplexity`` = exp(total NLL / tokens) under the LSE bound, ``perplexity_jensen``, and
+``nll`` / ``nll_jensen`` per token (what `blockgen train` logs as val_nll_lse / val_nll_jensen).
+Needs ``--model blockgen`` (the checkpoint directory comes from ``pretrained=``).
+
+``owt_genppl``: unconditional samples (the context is empty: the prompt is BOS) from any sampler,
+NFE and temperature (``--model_args`` or ``--gen_kwargs``), then, over all samples at once (a task
+filter, so each torchrun rank scores its own share), under a scorer language model
+(`blockgen.harness.scorers`): ``gen_ppl`` (token-weighted; how tokens are counted is documented
+there), ``unigram_entropy`` (mean per sample, nats), and ``mauve`` against as many held-out reference
+passages, with features from the scorer model (its last hidden state, as MAUVE's own featurizer).
+
+The scorer and the sample count come from the task's metadata, overridable with lm-eval's
+``--metadata`` (JSON): ``scorer`` (transformers | vllm), ``scorer_model`` (directory or hub name),
+``scorer_url``, ``scorer_device``, ``scorer_batch_size``, ``scorer_vllm_python``, ... (see
+`ScorerConfig`), ``num_samples``, ``data_path`` (local files instead of the source's default text).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from lm_eval.api.instance import Instance
+from lm_eval.api.task import ConfigurableTask
+
+log = logging.getLogger(__name__)
+
+# The adapter method (and lm-eval request type) that scores exact token windows with both bounds.
+WINDOW_REQUEST = "loglikelihood_windows"
+
+
+def _dataset(rows: list[dict]):
+    from datasets import Dataset, DatasetDict
+
+    return DatasetDict({"test": Dataset.from_list(rows)})
+
+
+def _data_config(source: str, data_path: str | None):
+    from blockgen.harness.data import DataConfig
+
+    return DataConfig(source=source, path=data_path)
+
+
+# ------------------------------------------------------------------------------------ owt_ppl
+
+
+def ppl_chunks(pretrained: str | None = None, source: str = "owt", data_path: str | None = None, **_metadata):
+    """The checkpoint's held-out chunks: one document {"chunk": i, "text": decoded, "tokens": [...]} per chunk."""
+    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.harness.data import chunk_documents, document_split
+    from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
+
+    need = ("owt_ppl scores a BlockGen checkpoint on its own token chunks with both bounds: "
+            "run it with --model blockgen --model_args pretrained=<checkpoint directory>")
+    if not pretrained:
+        raise ValueError(need)
+    try:
+        config = read_config(pretrained)
+    except CheckpointError as err:
+        raise ValueError(f"{need} ({err})") from None
+    tokenizer = load_tokenizer(pretrained)
+    special = SpecialTokens.from_dict(config.special_tokens) if config.special_tokens else special_tokens(tokenizer)
+    held_out = document_split(_data_config(source, data_path))[1]
+    chunks = chunk_documents(held_out, tokenizer, special, config.seq_len).tokens.tolist()
+    return _dataset([{"chunk": i, "text": tokenizer.decode(c), "tokens": c} for i, c in enumerate(chunks)])
+
+
+class _YamlClassTask(ConfigurableTask):
+    """A ConfigurableTask built from a YAML that names it with `class:` (a key TaskConfig rejects)."""
+
+    def __init__(self, config: dict | None = None, **kwargs) -> None:
+        super().__init__(config={k: v for k, v in (config or {}).items() if k != "class"}, **kwargs)
+
+
+class OwtPPLTask(_YamlClassTask):
+    """One ``loglikelihood_windows`` request per chunk: (decoded text, token ids); the ids are scored."""
+
+    def __init__(self, config: dict | None = None, **kwargs) -> None:
+        super().__init__(config=config, **kwargs)
+        self.OUTPUT_TYPE = WINDOW_REQUEST  # the evaluator groups (and pads, for torchrun) requests by it
+
+    def construct_requests(self, doc: dict, ctx: str, **kwargs) -> Instance:
+        kwargs.pop("apply_chat_template", None)
+        kwargs.pop("chat_template", None)
+        return Instance(request_type=WINDOW_REQUEST, doc=doc, arguments=(doc["text"], tuple(doc["tokens"])), idx=0, **kwargs)
+
+
+def ppl_results(doc: dict, results: list) -> dict:
+    """(log-likelihood, tokens) pairs: lm-eval's weighted_perplexity gives exp(total NLL / tokens)."""
+    (lse_logprob, jensen_logprob), = results
+    n = len(doc["tokens"])
+    return {"perplexity": (lse_logprob, n), "perplexity_jensen": (jensen_logprob, n),
+            "nll": (lse_logprob, n), "nll_jensen": (jensen_logprob, n)}
+
+
+def nll_per_token(items: list[tuple[float, int]]) -> float:
+    """-total log-likelihood / total tokens."""
+    return -sum(ll for ll, _ in items) / sum(n for _, n in items)
+
+
+# ------------------------------------------------------------------------------------ owt_genppl
+
+
+def reference_passages(documents: list[str], max_chars: int) -> list[str]:
+    """Held-out documents cut at blank lines into passages of at most max_chars characters
+    (paragraphs packed in order; a longer paragraph is a passage of its own)."""
+    passages = []
+    for doc in documents:
+        current = ""
+        for paragraph in (p.strip() for p in doc.split("\n\n")):
+            if not paragraph:
+                continue
+            if current and len(current) + 2 + len(paragraph) > max_chars:
+                passages.append(current)
+                current = ""
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+        if current:
+            passages.append(current)
+    return passages
+
+
+def genppl_references(source: str = "owt", data_path: str | None = None, num_samples: int = 1024,
+                      reference_chars: int = 4000, **_metadata):
+    """One document per sample, each carrying one held-out reference passage (for MAUVE)."""
+    from blockgen.harness.data import document_split
+
+    passages = reference_passages(document_split(_data_config(source, data_path))[1], int(reference_chars))
+    if len(passages) < int(num_samples):
+        log.warning("owt_genppl: %d held-out reference passages, fewer than num_samples=%d; drawing %d samples",
+                    len(passages), int(num_samples), len(passages))
+    return _dataset([{"reference": p} for p in passages[: int(num_samples)]])
+
+
+class OwtGenPPLTask(_YamlClassTask):
+    """generate_until from an empty context; all samples are scored at once after generation."""
+
+    def __init__(self, config: dict | None = None, **kwargs) -> None:
+        super().__init__(config=config, **kwargs)
+        from blockgen.harness.scorers import ScorerConfig, check_before_start
+
+        # Fail before any sample is drawn: a bad setting, a missing scorer model, no vLLM, a busy port.
+        self.scorer_config = ScorerConfig.from_metadata(self.config.metadata or {})
+        check_before_start(self.scorer_config)
+
+    def apply_filters(self):
+        super().apply_filters()
+        config = self.scorer_config
+        instances = self._instances or []
+        for name in sorted({key for inst in instances for key in inst.filtered_resps}):
+            samples = [_as_text(inst.filtered_resps[name]) for inst in instances]
+            references = [inst.doc["reference"] for inst in instances]
+            for inst, record in zip(instances, score_samples(samples, references, config)):
+                inst.filtered_resps[name] = record
+        return instances
+
+
+def _as_text(response: Any) -> str:
+    return response[0] if isinstance(response, list) else response
+
+
+def score_samples(samples: list[str], references: list[str], config) -> list[dict]:
+    """Per sample: Gen PPL terms and unigram entropy under the scorer, MAUVE features of the sample
+    and of its reference. Features come from the scorer model in process (vLLM serves no hidden
+    states); it is freed before a vLLM server starts."""
+    from blockgen.harness.scorers import TransformersScorer, open_scorer, score_texts
+
+    featurizer = TransformersScorer(replace(config, backend="transformers"))
+    sample_features = featurizer.features(samples)
+    reference_features = featurizer.features(references)
+    if config.backend == "transformers":
+        scores = score_texts(featurizer, samples)
+    else:
+        del featurizer
+        with open_scorer(config) as scorer:
+            scores = score_texts(scorer, samples)
+    return [{"logprob": s.logprob, "tokens": s.tokens, "entropy": s.entropy,
+             "features": f.tolist(), "reference_features": r.tolist()}
+            for s, f, r in zip(scores, sample_features, reference_features)]
+
+
+def genppl_results(doc: dict, results: list) -> dict:
+    record, = results
+    return {"gen_ppl": (record["logprob"], record["tokens"]), "unigram_entropy": record["entropy"],
+            "mauve": (record["features"], record["reference_features"])}
+
+
+def mauve_score(items: list[tuple[list[float], list[float]]]) -> float:
+    """MAUVE (mauve-text) of the samples against the reference passages, on the scorer's features."""
+    import mauve
+    import numpy as np
+
+    samples = np.array([s for s, _ in items], dtype=np.float32)
+    references = np.array([r for _, r in items], dtype=np.float32)
+    return float(mauve.compute_mauve(p_features=references, q_features=samples, device_id=-1, verbose=False).mauve)

@@ -1,0 +1,212 @@
+"""Leaderboard JSON: schema validation, atomic writes, rows from a real `lm_eval` run, the paper's rows, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from blockgen.harness import leaderboard as lb
+from blockgen.harness.leaderboard import Leaderboard, LeaderboardError, Row
+from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER_TEX = REPO.parent / "shared" / "paper" / "blockgen-paper.tex"
+PY = sys.executable
+BLOCKGEN = [PY, "-m", "blockgen.harness.cli"]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+# ------------------------------------------------------------------------------ schema
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    row = Row(model="m", task="t", metric="exact_match", value=0.5, stderr=0.1, n=10, higher_is_better=True,
+              prior="masked", block_sizes=[1, 16], block_weights=[0.05, 0.95], sampler="arpc", steps=3, ge=3,
+              warmup=0, temperature=0.1, nfe_per_block=4, model_calls_per_block=4.0, total_calls=40, seed=0)
+    lb.write(Leaderboard([row], "d", {"command": "c"}), tmp_path / "b.json")
+    back = lb.read(tmp_path / "b.json")
+    assert back.rows == [row] and back.description == "d" and back.provenance == {"command": "c"}
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"schema": ', r"not valid JSON \(line 1, column 12"),
+    ('[]', "expected a JSON object"),
+    ('{"schema": "other", "version": 1, "rows": []}', "expected 'blockgen-leaderboard'"),
+    ('{"schema": "blockgen-leaderboard", "version": 99, "rows": []}', "version 99 is not supported"),
+    ('{"schema": "blockgen-leaderboard", "version": 1}', r"\.rows: expected a list"),
+    ('{"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m", "task": "t", "metric": "x"}]}',
+     r"rows\[0\]: missing required field\(s\) \['value'\]"),
+    ('{"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m", "task": "t", "metric": "x", "value": "high"}]}',
+     r"rows\[0\]\.value: expected a number, got 'high'"),
+    ('{"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m", "task": "t", "metric": "x", "value": 1, "nfe": 4}]}',
+     r"unknown field\(s\) \['nfe'\]; valid fields"),
+    ('{"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m", "task": "t", "metric": "x", "value": 1, "block_sizes": [1, "16"]}]}',
+     r"block_sizes\[1\]: expected an integer"),
+])
+def test_malformed_files_give_one_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(LeaderboardError, match=message):
+        lb.read(path)
+    result = cli("leaderboard", "show", path)  # the user sees one line, not a traceback
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert re.search(message, result.stderr) and result.stderr.count("\n") == 1
+
+
+def test_a_crash_while_writing_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "b.json"
+    lb.write(Leaderboard([Row(model="m", task="t", metric="x", value=1.0)]), path)
+    before = path.read_text()
+
+    def dump_half_then_die(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:40])
+        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the write
+
+    monkeypatch.setattr(lb.json, "dump", dump_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        lb.write(Leaderboard([Row(model="m", task="t", metric="x", value=2.0)]), path)
+    assert path.read_text() == before and os.listdir(tmp_path) == ["b.json"]
+
+
+def test_best_per_nfe_keeps_one_variant_per_nfe_in_the_metric_direction():
+    rows = [Row(model="m", task="t", metric="acc", value=v, higher_is_better=True, sampler="arpc", steps=s, ge=g,
+                warmup=0, temperature=1.0, nfe_per_block=nfe)
+            for v, s, g, nfe in ((0.2, 3, 3, 4), (0.3, 2, 1, 4), (0.5, 6, 3, 8))]
+    rows += [Row(model="m", task="t", metric="ppl", value=v, higher_is_better=False, sampler="arpc", steps=s, ge=1,
+                 warmup=0, temperature=1.0, nfe_per_block=8) for v, s in ((30.0, 4), (20.0, 5))]
+    best = lb.best_per_nfe(lb.table(rows))
+    assert sorted(zip(best.metric, best.nfe_per_block, best.value)) == [("acc", 4, 0.3), ("acc", 8, 0.5), ("ppl", 8, 20.0)]
+
+
+# ------------------------------------------------------------------------------ from a real lm_eval run
+
+
+@pytest.fixture(scope="module")
+def results_file(tmp_path_factory) -> Path:
+    """A micro checkpoint (20 steps) evaluated by the real `lm_eval` command on two toy tasks."""
+    work = tmp_path_factory.mktemp("lb")
+    train = cli("train", "--preset", "ci", "--out-dir", work / "tiny-run", "--max-steps", "20", "--device", "cpu",
+                "--data.cache-dir", work / "cache", cwd=work)
+    assert train.returncode == 0, train.stderr[-2000:]
+    cmd = [PY, "-m", "lm_eval", "--model", "blockgen", "--model_args",
+           f"pretrained={work / 'tiny-run' / 'checkpoint'},sampler=arpc,steps=3,ge=3,temperature=0.5,k_mc=2",
+           "--tasks", "blockgen_toy_gen,blockgen_toy_ppl", "--device", "cpu", "--batch_size", "4", "--limit", "6",
+           "--output_path", str(work / "results")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=work)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = (work / "results").rglob("results_*.json")
+    return path
+
+
+def test_blockgen_leaderboard_add_turns_lm_eval_results_into_rows(results_file, tmp_path):
+    board = tmp_path / "board.json"
+    out = cli("leaderboard", "add", results_file, "--to", board)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(results_file.read_text())
+    rows = {r.metric: r for r in lb.read(board).rows}
+    gen = rows["exact_match"]
+    assert (gen.model, gen.task, gen.value) == ("tiny-run", "blockgen_toy_gen", results["results"]["blockgen_toy_gen"]["exact_match,none"])
+    assert (gen.sampler, gen.steps, gen.ge, gen.warmup, gen.temperature) == ("arpc", 3, 3, 0, 0.5)
+    assert gen.nfe_per_block == paper_nfe_per_block(SamplerConfig("arpc", steps=3, ge=3)) == 4
+    report = results["config"]["blockgen"]["tasks"]["blockgen_toy_gen"]["generate_until"]
+    assert gen.total_calls == report["model_calls"] > 0 and gen.model_calls_per_block is not None
+    assert gen.n == 6 and gen.train_steps == 20 and gen.checkpoint_sha == results["config"]["model_sha"]
+    assert gen.lm_eval_version == results["lm_eval_version"] and gen.wall_seconds > 0 and gen.tokens_per_s > 0
+    ppl = rows["word_perplexity"]
+    assert ppl.sampler is None and ppl.k_mc == 2 and ppl.higher_is_better is False and ppl.stderr is None
+    assert {"byte_perplexity", "bits_per_byte"} <= rows.keys()
+    again = cli("leaderboard", "add", results_file, "--to", board)  # the same results again replace, never duplicate
+    assert "4 replaced" in again.stdout and len(lb.read(board).rows) == len(rows)
+    shown = cli("leaderboard", "show", board, "--task", "blockgen_toy_gen")
+    assert shown.returncode == 0 and "arpc" in shown.stdout and "word_perplexity" not in shown.stdout
+
+
+def test_results_not_from_blockgen_are_refused(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"results": {}, "config": {"model": "hf"}}))
+    out = cli("leaderboard", "add", path, "--to", tmp_path / "b.json")
+    assert out.returncode == 2 and "not written by `lm_eval --model blockgen`" in out.stderr
+
+
+# ------------------------------------------------------------------------------ the paper's rows
+
+
+def paper_rows() -> list[Row]:
+    return lb.read(REPO / "leaderboards" / "paper.json").rows
+
+
+def test_paper_rows_are_published_and_consistent():
+    rows = paper_rows()
+    assert rows and all(r.published and r.source.startswith("paper") for r in rows)
+    arpc = [r for r in rows if r.sampler == "arpc"]
+    assert len(arpc) == 240  # tables 5 and 8: (25 + 35 variants) x 2 temperatures x 2 priors
+    for r in arpc:  # every ARPC label is the appendix's formula applied to (N_step, GE, warm-up)
+        assert r.nfe_per_block == paper_nfe_per_block(SamplerConfig("arpc", steps=r.steps, ge=r.ge, warmup=r.warmup))
+        assert r.block_sizes == [1, r.block_size] and r.block_weights == [0.05, 0.95]
+    owt = {r.model: r.value for r in rows if r.task == "owt_ppl" and r.train_steps == 1_000_000}
+    assert owt["owt-ar"] == 16.7 and owt["owt-masked-mix-flat"] == 17.5 and owt["owt-uniform-mix"] == 20.9
+
+
+def _tex_table(label: str) -> list[tuple[int | None, list[str]]]:
+    """(NFE group, cells) per data row of one of the paper's GSM8K tables (an independent reading)."""
+    tex = PAPER_TEX.read_text()
+    start = tex.index(f"\\label{{{label}}}")
+    body = tex[tex.index("\\midrule", start) : tex.index("\\end{tabular}", start)]
+    out, nfe = [], None
+    for line in body.splitlines():
+        if m := re.search(r"NFE\\,(\d+)", line):
+            nfe = int(m.group(1))
+        elif re.match(r"\s*\d", line):
+            out.append((nfe, [c.strip() for c in line.strip().removesuffix("\\\\").split("&")]))
+    return out
+
+
+@pytest.mark.skipif(not PAPER_TEX.is_file(), reason="the paper (../shared/paper) is not beside this checkout")
+@pytest.mark.parametrize("label,block", [("tab:arpc_variants_b16", 16), ("tab:arpc_variants_b32", 32)])
+def test_paper_rows_match_the_tex_and_best_per_nfe_finds_the_bold_entries(label, block):
+    """Every ARPC cell of tables 5 and 8 is stored, and best_per_nfe picks exactly the paper's bold cells."""
+    columns = [(1.0, "masked"), (1.0, "uniform"), (0.1, "masked"), (0.1, "uniform")]
+    stored = {(r.prior, r.temperature, r.steps, r.ge, r.warmup): r.value for r in paper_rows()
+              if r.sampler == "arpc" and r.block_size == block}
+    bold = set()
+    for nfe, cells in _tex_table(label):
+        steps, ge, warmup = map(int, cells[:3])
+        for (temp, prior), cell in zip(columns, cells[3:]):
+            value = float(re.sub(r"\\(textbf|underline)\{([^}]*)\}", r"\2", cell))
+            assert stored[(prior, temp, steps, ge, warmup)] == pytest.approx(value / 100)
+            if "textbf" in cell:
+                bold.add((prior, temp, steps, ge, warmup))
+    best = lb.best_per_nfe(lb.table([r for r in paper_rows() if r.sampler == "arpc" and r.block_size == block]))
+    assert set(zip(best["prior"], best["temperature"], best["steps"], best["ge"], best["warmup"])) == bold
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def test_plot_writes_the_accuracy_and_genppl_figures(tmp_path):
+    import matplotlib.image
+
+    board = tmp_path / "ours.json"
+    ours = [replace(r, published=False, model="ours", source="test", value=r.value * 0.9)
+            for r in paper_rows() if r.sampler == "arpc" and r.block_size == 16]
+    genppl = [Row(model="ours", task="owt_genppl", metric=metric, value=v, sampler="arpc", steps=6, ge=3, warmup=0,
+                  temperature=t, nfe_per_block=8)
+              for t, ppl, ent in ((0.7, 20.0, 4.9), (1.0, 60.0, 5.4)) for metric, v in (("gen_ppl", ppl), ("unigram_entropy", ent))]
+    lb.write(Leaderboard(ours + genppl), board)
+    out = cli("leaderboard", "plot", REPO / "leaderboards" / "paper.json", board, "--out-dir", tmp_path / "png")
+    assert out.returncode == 0, out.stderr
+    names = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert names == ["accuracy_vs_nfe_gsm8k_code_b16.png", "accuracy_vs_nfe_gsm8k_code_b32.png", "genppl_vs_entropy_owt_genppl.png"]
+    for name in names:
+        image = matplotlib.image.imread(tmp_path / "png" / name)
+        assert image.shape[0] > 300 and image.shape[1] > 500 and image[..., :3].std() > 0.05  # drawn, not blank
