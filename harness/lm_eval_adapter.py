@@ -651,6 +651,16 @@ class BlockGenLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result.logp)
         return [r.logp for r in results]
 
+    def loglikelihood_windows(self, requests, disable_tqdm: bool = False) -> list[tuple[float, float]]:
+        """Exact token windows (tasks/owt.py's ``owt_ppl``): request args (text, token ids), the ids
+        scored whole from position 0 as training validates a chunk; returns (-LSE, -Jensen) bounds."""
+        items = [Window(tuple(req.args[1]), 0) for req in requests]
+        if any(len(w.tokens) > self.max_length for w in items):
+            raise ValueError(f"blockgen loglikelihood_windows: a window is longer than seq_len={self.max_length}")
+        seeds = [derive_seed(self.args.seed, "loglikelihood_windows", list(w.tokens)) for w in items]
+        scores = self._score(items, seeds, "loglikelihood_windows", disable_tqdm)
+        return [(-s.lse, -s.jensen) for s in scores]
+
     @staticmethod
     def _collect(requests, which: list[int], scores: list[WindowScore]) -> list[RequestScore]:
         per_request: list[list[WindowScore]] = [[] for _ in requests]
@@ -730,16 +740,18 @@ class BlockGenLM(TemplateLM):
         return sampler, until
 
     def _plan(self, req, repeat: int) -> _Plan:
-        """`repeat`: how many identical requests came before this one (lm-eval's `repeats`, e.g. maj@k),
-        so each repeat draws its own sample."""
+        """`repeat`: how many identical requests of the same document came before this one (lm-eval's
+        `repeats`, e.g. maj@k), so each repeat draws its own sample. The document id is global (the
+        same on every torchrun rank), so documents with identical prompts (unconditional samples)
+        draw different samples however the documents are split over ranks."""
         context, gen_kwargs = req.args
-        task, _, _ = _owner(req)
+        task, doc_id, _ = _owner(req)
         sampler, until = self._settings(gen_kwargs, task)
         prompt = self._with_bos(self.tok_encode(context)) or [self.special.bos]
         room = max_prompt_len(self.config, sampler)
         dropped = max(0, len(prompt) - room)
         prompt = prompt[dropped:]
-        seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(sampler), repeat)
+        seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(sampler), doc_id, repeat)
         return _Plan(prompt, sampler, until, seed, task, dropped)
 
     def _decode(self, ids: list[int]) -> str:
@@ -754,7 +766,8 @@ class BlockGenLM(TemplateLM):
         seen: Counter = Counter()
         plans = []
         for req in requests:  # every gen_kwargs is checked before any generation
-            key = json.dumps(req.args, sort_keys=True, default=str)
+            task, doc_id, _ = _owner(req)
+            key = json.dumps([task, doc_id, req.args], sort_keys=True, default=str)
             plans.append(self._plan(req, seen[key]))
             seen[key] += 1
         for plan in plans:

@@ -266,6 +266,23 @@ def test_batched_generation_equals_one_by_one(ckpts):
     assert first != second  # the second copy of each request is a second sample
 
 
+def test_documents_with_one_prompt_draw_their_own_samples(ckpts):
+    """Unconditional sampling (owt_genppl): every document has the same empty prompt. Seeds derive from
+    the global document id, so the samples differ, and a document's sample is the same whichever
+    documents share its rank (here: all six, or only the odd ones, as a second torchrun rank has)."""
+    from lm_eval.api.instance import Instance
+
+    def run(doc_ids):
+        lm = _lm(ckpts["mixture"], batch_size=4, seed=1)
+        reqs = [Instance(request_type="generate_until", doc={}, arguments=("", {"max_gen_toks": 16}), idx=0,
+                         metadata=("toy_uncond", d, 1)) for d in doc_ids]
+        return dict(zip(doc_ids, lm.generate_until(reqs)))
+
+    every = run(list(range(6)))
+    assert len(set(every.values())) == 6
+    assert run([1, 3, 5]) == {d: every[d] for d in (1, 3, 5)}
+
+
 def test_ar_checkpoint_follows_do_sample_and_temperature(ckpts):
     """As lm-eval's hf backend: greedy by default and with do_sample=False; do_sample=True or a
     temperature > 0 samples (ar_sample), and the samples change with the seed."""
