@@ -23,10 +23,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Any, Iterable, Iterator, Literal
 
+import numpy as np
 import torch
 
 from blockgen.harness.hub import hub_call
@@ -56,7 +59,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Examples:
-    """Fixed-length examples: tokens (N, L) long; loss_mask and condition_mask (N, L) bool."""
+    """Fixed-length examples: tokens (N, L); loss_mask and condition_mask (N, L) bool.
+
+    `tokens` is int64, or int32 when it is a memory-mapped token cache (`chunk_documents` with a
+    cache file); indexing always returns int64 tokens, which is what the model takes.
+    """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
@@ -66,7 +73,7 @@ class Examples:
         return self.tokens.shape[0]
 
     def __getitem__(self, idx) -> "Examples":
-        return Examples(self.tokens[idx], self.loss_mask[idx], self.condition_mask[idx])
+        return Examples(self.tokens[idx].long(), self.loss_mask[idx], self.condition_mask[idx])
 
 
 def encode_problems(
@@ -98,18 +105,65 @@ def encode_prompt(question: str, tokenizer, special: SpecialTokens) -> list[int]
     return [special.bos, *tokenizer.encode(question, add_special_tokens=False), *special.sep]
 
 
-def chunk_documents(texts: Iterable[str], tokenizer, special: SpecialTokens, seq_len: int) -> Examples:
-    """OWT layout: documents joined with EOS and cut into seq_len chunks (the remainder dropped)."""
-    stream: list[int] = []
-    for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-        stream.extend(ids)
-        stream.append(special.eos)
+DOCUMENTS_PER_BATCH = 10_000  # documents tokenized per call (the fast tokenizer parallelises a batch)
+
+
+def _token_batches(texts: Sequence[str], tokenizer, eos: int) -> Iterator[np.ndarray]:
+    """The token stream of the documents, each followed by EOS, in int32 pieces of a batch of documents."""
+    for start in range(0, len(texts), DOCUMENTS_PER_BATCH):
+        ids = tokenizer(list(texts[start : start + DOCUMENTS_PER_BATCH]), add_special_tokens=False)["input_ids"]
+        piece = np.empty(sum(len(d) + 1 for d in ids), dtype=np.int32)
+        at = 0
+        for d in ids:
+            piece[at : at + len(d)] = d
+            piece[at + len(d)] = eos
+            at += len(d) + 1
+        yield piece
+
+
+def _write_token_cache(pieces: Iterator[np.ndarray], cache: Path) -> None:
+    """Write the stream to `cache` piece by piece; the file appears (atomically) only when complete."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for piece in pieces:
+            f.write(piece.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, cache)
+
+
+def chunk_documents(texts: Sequence[str], tokenizer, special: SpecialTokens, seq_len: int, cache: str | Path | None = None) -> Examples:
+    """OWT layout: documents joined with EOS and cut into seq_len chunks (the remainder dropped).
+
+    Documents are tokenized a batch at a time. With `cache` (a file path) the token stream goes to
+    that file as it is made and is then memory-mapped, so a corpus larger than memory (OWT: about 9B
+    tokens) never sits in RAM; an existing cache file is reused without tokenizing again.
+    """
+    if cache is None:
+        pieces = list(_token_batches(texts, tokenizer, special.eos))
+        stream = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int32)
+    else:
+        cache = Path(cache)
+        if not cache.is_file():
+            _write_token_cache(_token_batches(texts, tokenizer, special.eos), cache)
+        stream = np.memmap(cache, dtype=np.int32, mode="c")  # copy-on-write: a writable view, read lazily
     n = len(stream) // seq_len
     if n == 0:
         raise ValueError(f"the documents hold {len(stream)} tokens, fewer than seq_len={seq_len}")
-    tokens = torch.tensor(stream[: n * seq_len]).view(n, seq_len)
-    ones = torch.ones_like(tokens, dtype=torch.bool)
-    return Examples(tokens, ones, ~ones)
+    tokens = torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len))
+    if cache is None:
+        tokens = tokens.long()
+    # Views of one element: no (N, L) masks in memory for an OWT-sized corpus.
+    loss_mask = torch.ones((), dtype=torch.bool).expand(n, seq_len)
+    return Examples(tokens, loss_mask, torch.zeros((), dtype=torch.bool).expand(n, seq_len))
+
+
+def token_cache_path(config: "DataConfig", tokenizer, split: str) -> Path:
+    """Where a document source's token stream is cached: keyed by the tokenizer, the data and `split`
+    (the stream does not depend on seq_len, so one cache serves every model length)."""
+    key = json.dumps([tokenizer.backend_tokenizer.to_str(), config.source, config.path, split])
+    return Path(config.cache_dir) / f"tokens-{config.source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.int32"
 
 
 def embedded_tokenizer(config: DataConfig):
@@ -179,7 +233,30 @@ def _local_documents(pattern: str) -> list[str]:
     return docs
 
 
-def document_split(config: DataConfig) -> tuple[list[str], list[str]]:
+@dataclass(frozen=True)
+class TextColumn(Sequence):
+    """Rows [start, stop) of a `datasets.Dataset`'s `text` column, read on demand (OWT's 8M training
+    documents are never one Python list); slicing returns a list of that slice's texts."""
+
+    dataset: Any
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("TextColumn slices must be contiguous")
+            return self.dataset[self.start + lo : self.start + hi]["text"] if hi > lo else []
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.dataset[self.start + i % len(self)]["text"]
+
+
+def document_split(config: DataConfig) -> tuple[Sequence[str], list[str]]:
     """(training documents, held-out documents) of a document source ("owt" or "text").
 
     "owt": the last 100k documents are held out (local files: the last tenth, at most 100k).
@@ -189,10 +266,11 @@ def document_split(config: DataConfig) -> tuple[list[str], list[str]]:
     if config.source == "owt":
         if config.path is not None:
             texts = _local_documents(config.path)
-        else:
-            texts = _hub_or_local("Skylion007/openwebtext", config, split="train")["text"]
-        held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10) if config.path else OWT_VALIDATION_DOCS
-        return texts[: len(texts) - held_out], texts[len(texts) - held_out :]
+            held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10)
+            return texts[: len(texts) - held_out], texts[len(texts) - held_out :]
+        data = _hub_or_local("Skylion007/openwebtext", config, split="train")
+        cut = len(data) - OWT_VALIDATION_DOCS
+        return TextColumn(data, 0, cut), TextColumn(data, cut, len(data))[:]
     if config.source == "text":
         if config.path is None:
             from pydoc_data.topics import topics
@@ -227,7 +305,9 @@ def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples
         info = {"dropped_too_long": dropped}
     else:
         train_docs, held_out = document_split(config)
-        train = chunk_documents(train_docs, tokenizer, special, seq_len)
+        # OWT's training stream (about 9B tokens) is cached on disk and memory-mapped; held-out text is small.
+        cache = token_cache_path(config, tokenizer, f"train:{len(train_docs)}:{len(held_out)}") if config.source == "owt" else None
+        train = chunk_documents(train_docs, tokenizer, special, seq_len, cache=cache)
         val = chunk_documents(held_out, tokenizer, special, seq_len)[: config.n_val]
         info = {"validation_documents": len(held_out)}
     info.update(train_examples=len(train), validation_examples=len(val), source=config.source)

@@ -353,10 +353,12 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
     tokenizer = get_tokenizer(config.data) if d.main else None
+    data = load_examples(config.data, tokenizer, config.seq_len) if d.main else None
     if d.world > 1:
-        dist.barrier()  # rank 0 trains/caches the embedded tokenizer first
+        dist.barrier()  # rank 0 trains/caches the embedded tokenizer and the token cache first
         tokenizer = tokenizer or get_tokenizer(config.data)
-    train_data, val_data, data_info = load_examples(config.data, tokenizer, config.seq_len)
+        data = data or load_examples(config.data, tokenizer, config.seq_len)
+    train_data, val_data, data_info = data
     special = special_tokens(tokenizer).to_dict()
     model_config = config.model_config(len(tokenizer), special, d.device)
     model = BlockGen(model_config).to(d.device)
