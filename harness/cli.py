@@ -6,7 +6,7 @@
     blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
     blockgen presets                   # list presets and their settings
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
-    blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot board.json
+    blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page board.json
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub_p.add_argument("--datasets", nargs="*", default=[])
     hub_p.add_argument("--models", nargs="*", default=[])
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
-    sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot (see `blockgen leaderboard --help`)", add_help=False)
+    sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot, HTML page (see `blockgen leaderboard --help`)", add_help=False)
     return parser
 
 

@@ -8,6 +8,7 @@ sampler variant per NFE, as the paper's figures do.
 
     blockgen leaderboard add results/.../results_*.json --to leaderboards/owt.json
     blockgen leaderboard show leaderboards/paper.json --task gsm8k_code --best
+    blockgen leaderboard page                     # every leaderboards/*.json -> runs/leaderboard-page/index.html
 """
 
 from __future__ import annotations
@@ -367,9 +368,13 @@ def _parser():
     add.add_argument("--to", default="runs/leaderboard.json", help="leaderboard file (default: %(default)s)")
     add.add_argument("--model", default=None, help="model name (default: the checkpoint's run folder)")
     add.add_argument("--description", default=None, help="set the file's description")
-    for name, helptext in (("show", "print rows as a table"), ("plot", "write PNG plots")):
+    for name, helptext in (("show", "print rows as a table"), ("plot", "write PNG plots"),
+                           ("page", "write a static HTML page (sortable tables, filters, plots) that opens from disk")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("files", nargs="+", help="leaderboard JSON files")
+        if name == "page":
+            p.add_argument("files", nargs="*", help="leaderboard JSON files (default: every leaderboards/*.json)")
+        else:
+            p.add_argument("files", nargs="+", help="leaderboard JSON files")
         p.add_argument("--task", nargs="+", default=None, help="only these tasks")
         p.add_argument("--metric", nargs="+", default=None, help="only these metrics")
         p.add_argument("--model", nargs="+", default=None, help="only these models")
@@ -378,6 +383,7 @@ def _parser():
     show.add_argument("--best", action="store_true", help="the best variant (N_step, GE, warm-up) per NFE only")
     show.add_argument("--columns", nargs="+", default=SHOW_COLUMNS, help="columns to print (default: %(default)s)")
     sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
+    sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
     return parser
 
 
@@ -415,6 +421,13 @@ def main(argv: list[str]) -> int:
                 df = best_per_nfe(df)
             with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
                 print(df[args.columns].to_string(index=False) if not df.empty else "(no rows)")
+        elif args.action == "page":
+            from blockgen.harness.page import build_page
+
+            args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
+            if not args.files:
+                raise LeaderboardError("no leaderboard files given and none in ./leaderboards/*.json")
+            print(build_page(_selected(args), args.out_dir, sources=args.files))
         else:
             from blockgen.harness.plots import plot_all
 
