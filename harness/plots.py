@@ -69,11 +69,7 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         axes[0][0].set_ylabel(f"{task} accuracy (%)")
         axes[0][-1].legend(fontsize=7, loc="lower right")
         fig.suptitle(f"{task}: accuracy vs NFE, block size {block}, best variant per NFE", fontsize=11)
-        fig.tight_layout()
-        path = Path(out_dir) / f"accuracy_vs_nfe_{_slug(task)}_b{block}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, Path(out_dir) / f"accuracy_vs_nfe_{_slug(task)}_b{block}.png"))
     return written
 
 
@@ -104,12 +100,16 @@ def genppl_vs_entropy(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         ax.set_title(f"{task}: Gen PPL vs entropy (lower right is better)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = Path(out_dir) / f"genppl_vs_entropy_{_slug(task)}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, Path(out_dir) / f"genppl_vs_entropy_{_slug(task)}.png"))
     return written
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write and close a figure (closing frees it: pyplot keeps every open figure)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_all(rows: list[Row], out_dir: str | Path) -> list[Path]:
