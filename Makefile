@@ -8,12 +8,14 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env browser demo test bench clean train-owt eval-owt train-tinygsm eval-gsm8k
+.PHONY: help setup vllm-env browser demo sweep test bench clean train-owt eval-owt train-tinygsm eval-gsm8k \
+	ci-pipeline regression-check regression-update
 
 help:
 	@echo "Targets"
 	@echo "  setup          create $(VENV) and install blockgen (editable) with its test extras"
-	@echo "  demo           train and evaluate the embedded demo models offline on CPU"
+	@echo "  demo           train the embedded demo models offline on CPU, sweep the samplers -> runs/demo/"
+	@echo "  sweep          the demo's sweep at T = 1.0 (the paper's) and 0.1 (reuses the demo's models and results)"
 	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env and browser first"
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
@@ -22,6 +24,9 @@ help:
 	@echo "  eval-owt       owt_ppl and owt_genppl over the sampler x NFE x temperature grid -> $(LEADERBOARD_OWT)"
 	@echo "  train-tinygsm  train the TinyGSM models of the paper (MODELS_GSM)"
 	@echo "  eval-gsm8k     gsm8k_code over the sampler x NFE x temperature grid -> $(LEADERBOARD_GSM)"
+	@echo "  ci-pipeline    the CI's small offline OWT pipeline into an empty CI_RUNS=$(CI_RUNS) (.ci/run)"
+	@echo "  regression-check   its leaderboard against $(CI_REFERENCE); exit 1 past a tolerance"
+	@echo "  regression-update  rerun ci-pipeline (FROM=<RUNS folder>: take that folder's) and rewrite $(CI_REFERENCE)"
 	@echo "  clean          remove runs/, build/, dist/"
 	@echo "Full scale needs the Hugging Face hub and GPUs; OFFLINE=1 runs the same targets at small scale"
 	@echo "on CPU (offline text and word problems, micro models, torchrun with 2 gloo processes)."
@@ -51,6 +56,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BLOCKGEN) demo --out-dir runs/demo
+
+# The demo's models again (trained ones are reused) with the paper's GSM8K temperature beside 0.1.
+sweep: setup
+	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1
 
 test: setup vllm-env browser
 	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q
@@ -215,6 +224,26 @@ eval-owt: setup $(if $(SCORER),$(SCORER)/config.json)
 
 $(RUNS)/scorer-text/config.json: | setup
 	OMP_NUM_THREADS=1 $(BLOCKGEN) train-scorer --out-dir $(RUNS)/scorer-text $(call opt,--max-steps,$(SCORER_STEPS))
+
+# CI regression (README: "CI regression"): .ci/run runs this small offline pipeline into an empty
+# CI_RUNS and checks its leaderboard against the stored reference. `make regression-update` reruns it
+# and rewrites the reference (the stored tolerance policy kept), so an intended change is a reviewed
+# diff; FROM=<RUNS folder> stores that folder's leaderboard instead of rerunning.
+CI_RUNS ?= runs/ci-pipeline
+CI_PIPELINE := OFFLINE=1 STEPS=100 SCORER_STEPS=100 LIMIT=8
+CI_REFERENCE := leaderboards/ci_regression.json
+ci_board = $(1)/leaderboard-owt-embedded.json
+
+ci-pipeline: setup
+	rm -rf $(CI_RUNS)
+	$(MAKE) train-owt eval-owt $(CI_PIPELINE) RUNS=$(CI_RUNS)
+
+regression-check: setup
+	$(BLOCKGEN) leaderboard check $(call ci_board,$(CI_RUNS)) --against $(CI_REFERENCE)
+
+regression-update: setup $(if $(FROM),,ci-pipeline)
+	$(PY) -m blockgen.harness.regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
+		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
 
 train-tinygsm: setup
 	$(hub-gsm)

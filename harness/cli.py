@@ -18,8 +18,10 @@ import typing
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
 
+from blockgen.harness.demo import DemoConfig
 from blockgen.harness.train import DEMO_PRESETS, PRESETS, TrainConfig, preset
 from blockgen.harness.train_scorer import ScorerTrainConfig
+from blockgen.harness.wordproblems import DIFFICULTIES
 
 
 def _is_optional(tp) -> tuple[bool, Any]:
@@ -67,11 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     train_p = sub.add_parser("train", help="train (or resume) one model")
     train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
     add_dataclass_options(train_p, TrainConfig)
-    demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU")
-    demo_p.add_argument("--out-dir", default="runs/demo")
+    demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU, sweep the samplers")
+    demo_p.add_argument("--out-dir", default=DemoConfig.out_dir)
     demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
     demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
-    demo_p.add_argument("--problems", type=int, default=200, help="held-out test problems per model")
+    demo_p.add_argument("--problems", type=int, default=DemoConfig.problems, help="held-out test problems per evaluation")
+    demo_p.add_argument("--jobs", type=int, default=DemoConfig.jobs, help="worker processes, one thread each (0: one per usable core)")
+    demo_p.add_argument("--temperatures", type=float, nargs="+", default=list(DemoConfig.temperatures),
+                        help="sampling temperatures of the sweep (the paper's GSM8K runs use 1.0)")
+    demo_p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
+    demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
+                        help="the word-problem generator's level (default: the presets', 'easy')")
     sub.add_parser("presets", help="list the training presets")
     scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
     add_dataclass_options(scorer_p, ScorerTrainConfig)
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from blockgen.harness.demo import run_demo
 
-        run_demo(args.out_dir, args.presets, args.max_steps, args.problems)
+        run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
+                            jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty))
         return 0
     return 2
 

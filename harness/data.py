@@ -34,6 +34,7 @@ import torch
 
 from blockgen.harness.hub import hub_call
 from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
+from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY, difficulty
 
 SOURCES = ("embedded", "tinygsm", "owt", "text")
 DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into chunks
@@ -47,6 +48,7 @@ class DataConfig:
     tokenizer: str = "embedded"  # "embedded" (train a BPE on the source locally), a local directory or a hub name
     path: str | None = None  # local files instead of the hub (JSON/JSONL with the hub schema; "text": also plain text)
     n_train: int = 50_000  # embedded: number of generated training problems
+    difficulty: str = DEFAULT_DIFFICULTY  # embedded: the generator's level (wordproblems.DIFFICULTIES)
     n_val: int = 256  # validation examples
     vocab_size: int = 1024  # embedded BPE vocabulary
     seed: int = 0
@@ -55,6 +57,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"unknown data source {self.source!r}; choose one of {list(SOURCES)}")
+        difficulty(self.difficulty)  # a clear error now rather than at data generation
 
 
 @dataclass(frozen=True)
@@ -178,9 +181,9 @@ def embedded_tokenizer(config: DataConfig):
     if config.source == "embedded":
         from blockgen.harness.wordproblems import generate
 
-        problems = generate("train", min(config.n_train, 20_000), seed=config.seed)
+        problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
         texts = [p.question for p in problems] + [p.code for p in problems]
-        directory = Path(config.cache_dir) / f"tokenizer-v{config.vocab_size}-s{config.seed}"
+        directory = Path(config.cache_dir) / f"tokenizer-{config.difficulty}-v{config.vocab_size}-s{config.seed}"
     else:
         texts = document_split(config)[0] if config.source in DOCUMENT_SOURCES else None
         if texts is None:
@@ -293,8 +296,9 @@ def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples
     if config.source == "embedded":
         from blockgen.harness.wordproblems import generate, to_records
 
-        train, dropped = encode_problems(to_records(generate("train", config.n_train, config.seed)), tokenizer, special, seq_len)
-        val, _ = encode_problems(to_records(generate("validation", config.n_val, config.seed)), tokenizer, special, seq_len)
+        level = config.difficulty
+        train, dropped = encode_problems(to_records(generate("train", config.n_train, config.seed, level)), tokenizer, special, seq_len)
+        val, _ = encode_problems(to_records(generate("validation", config.n_val, config.seed, level)), tokenizer, special, seq_len)
         info = {"dropped_too_long": dropped}
     elif config.source == "tinygsm":
         data = _hub_or_local("TinyGSM/TinyGSM", config, split="train")

@@ -1,140 +1,309 @@
-"""The embedded default: train the demo models offline on CPU and summarise them.
+"""The embedded default: train the demo models offline on CPU, sweep the samplers, write a leaderboard.
 
-Data are generated word problems, the tokenizer is trained locally, the models are tiny; nothing
-touches the network. Each model is a normal checkpoint under `out_dir/<preset>/checkpoint`, so a
-rerun resumes (or skips) finished models.
+Data are generated word problems (`wordproblems`, level "easy" unless `--difficulty` says otherwise),
+the tokenizer is trained locally, the models are tiny; nothing touches the network. The work is a set
+of jobs (one training run per model, then one `lm_eval` run of `gsm8k_code_embedded` per sampler
+setting and one likelihood pass per model) spread over `jobs` single-threaded worker processes, one
+per usable core: small models use one core well, and a job that shares its core with another program
+slows down in proportion instead of stalling a team of OpenMP threads (README, "Embedded benchmark").
+
+Nothing is lost on a crash: models are normal checkpoints under `out_dir/<preset>/checkpoint` (a
+rerun resumes or skips them) and each evaluation is a results file under `out_dir/results/` that a
+rerun keeps while the checkpoint it scored is unchanged. The demo ends with `out_dir/leaderboard.json`
+(leaderboard schema), a printed table, PNG plots and the static page under `out_dir/page/`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import sys
 import time
-from dataclasses import replace
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
 from pathlib import Path
 
-from blockgen.harness.checkpoint import read_config
-from blockgen.harness.train import preset, train
-from blockgen.harness.wordproblem_eval import evaluate_embedded
+from tqdm.auto import tqdm
+
+from blockgen.harness.train import DEMO_PRESETS, TrainConfig, preset
 from blockgen.models.sampling import SamplerConfig
 
-# Low temperature matters for tiny diffusion models (../shared/REFERENCE.md calibration); NFE per
-# block is about 8 for every diffusion sampler: ARPC (6, GE 3) makes 6 + 1 + 1 calls by appendix D.
-DIFFUSION_SAMPLERS = (
-    SamplerConfig("ancestral", steps=8, temperature=0.1),
-    SamplerConfig("eipc", steps=8, ge=2, temperature=0.1),
-)
-MIXTURE_SAMPLERS = (
-    SamplerConfig("ancestral", steps=8, temperature=0.1),
-    SamplerConfig("arpc", steps=6, ge=3, temperature=0.1),
-    SamplerConfig("ar_greedy"),
-)
-AR_SAMPLERS = (SamplerConfig("ar_greedy"),)
+# One (sampler, N_step, GE, warm-up) per NFE label of the paper (appendix D) and sampler, taken from
+# the paper's grids (tables 4-9 list several variants per NFE; the demo runs one of each).
+DIFFUSION_VARIANTS: dict[int, tuple[tuple[str, int, int, int], ...]] = {
+    4: (("ancestral", 4, 1, 0), ("eipc", 4, 2, 0), ("arpc", 3, 2, 1)),
+    8: (("ancestral", 8, 1, 0), ("eipc", 8, 3, 0), ("arpc", 6, 3, 0)),
+    16: (("ancestral", 16, 1, 0), ("eipc", 16, 4, 0), ("arpc", 12, 3, 0)),
+}
 # Tokens each answer may take (5 blocks of 16), leaving 48 of the demo's 128 for the prompt
 # (lm-eval's convention: a fixed generation budget, the prompt cut from the left to fit, counted).
-# Of the first 500 test problems with the demo's tokenizer, 80 is the budget under which the most
-# have both their question and their reference program fit: 362 (64: 330, 96: 100).
 DEMO_MAX_GEN_TOKS = 80
 
 
-def samplers_for(block_sizes: tuple[int, ...]) -> tuple[SamplerConfig, ...]:
+@dataclass(frozen=True)
+class DemoConfig:
+    out_dir: str = "runs/demo"
+    presets: tuple[str, ...] = DEMO_PRESETS
+    max_steps: int | None = None  # override every preset's step count
+    problems: int = 500  # held-out test problems per evaluation
+    jobs: int = 0  # worker processes (one thread each); 0: one per usable core
+    # 0.1: what tiny models need (REFERENCE.md calibration); add 1.0, the paper's GSM8K temperature,
+    # for the full sweep (`make sweep`).
+    temperatures: tuple[float, ...] = (0.1,)
+    nfes: tuple[int, ...] = (4, 8, 16)
+    difficulty: str | None = None  # the generator's level; None: the presets' ("easy")
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.nfes) - set(DIFFUSION_VARIANTS))
+        if unknown:
+            raise ValueError(f"no sampler variants for NFE {unknown}; choose from {sorted(DIFFUSION_VARIANTS)}")
+        if self.problems < 1 or self.jobs < 0:
+            raise ValueError(f"problems={self.problems}, jobs={self.jobs}: need problems >= 1 and jobs >= 0")
+
+
+def samplers_for(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list[SamplerConfig]:
+    """The sampler settings a model supports: AR for block size 1, ancestral/EIPC for diffusion,
+    ARPC for mixtures with block size 1, and AR greedy on a mixture (its own speed-quality reference)."""
+    ar_greedy = SamplerConfig("ar_greedy")
     if block_sizes == (1,):
-        return AR_SAMPLERS
-    return MIXTURE_SAMPLERS if 1 in block_sizes else DIFFUSION_SAMPLERS
+        return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
+    out = []
+    for t in temperatures:
+        for nfe in nfes:
+            for name, steps, ge, warmup in DIFFUSION_VARIANTS[nfe]:
+                if name != "arpc" or 1 in block_sizes:
+                    out.append(SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, temperature=t))
+    return out + ([ar_greedy] if 1 in block_sizes else [])
 
 
 def sampler_label(s: SamplerConfig) -> str:
-    if s.name.startswith("ar_"):
+    if s.name == "ar_greedy":
         return s.name
-    extra = f",GE{s.ge}" if s.name in ("eipc", "arpc") else ""
+    if s.is_ar:
+        return f"{s.name}(T{s.temperature:g})"
+    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.name in ("eipc", "arpc") else ""
     return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 
-def last_validation(metrics_path: Path) -> dict:
-    """The last record of a run's metrics.jsonl that holds validation numbers."""
-    found: dict = {}
-    for line in metrics_path.read_text().splitlines():
-        record = json.loads(line)
-        if "val_nll_lse" in record:
-            found = record
-    return found
+def model_config(config: DemoConfig, name: str) -> TrainConfig:
+    base = preset(name)
+    data = replace(base.data, cache_dir=str(Path(config.out_dir) / "data"))
+    if config.difficulty is not None:
+        data = replace(data, difficulty=config.difficulty)
+    overrides = {"out_dir": str(Path(config.out_dir) / name), "data": data}
+    if config.max_steps is not None:
+        overrides["max_steps"] = config.max_steps
+    return replace(base, **overrides)
 
 
-def run_demo(out_dir: str, presets: list[str], max_steps: int | None = None, n_problems: int = 200) -> dict:
-    out = Path(out_dir)
-    summary: dict[str, dict] = {}
-    for name in presets:
-        overrides = {"out_dir": str(out / name), "data": replace(preset(name).data, cache_dir=str(out / "data"))}
-        if max_steps is not None:
-            overrides["max_steps"] = max_steps
-        config = preset(name, **overrides)
-        start = time.perf_counter()
-        checkpoint = train(config)
-        val = last_validation(Path(config.out_dir) / "metrics.jsonl")
-        summary[name] = {
-            "checkpoint": str(checkpoint),
-            "prior": config.prior,
-            "block_sizes": list(config.block_sizes),
-            "block_weights": list(config.block_weights),
-            "steps": config.max_steps,
-            "train_seconds": round(time.perf_counter() - start, 1),
-            "val_nll_per_token_lse": val.get("val_nll_lse"),
-            "val_nll_per_token_jensen": val.get("val_nll_jensen"),
-            "accuracy": evaluate_checkpoint(checkpoint, n_problems),
-        }
-    (out / "summary.json").write_text(json.dumps({"provenance": provenance(), "models": summary}, indent=2))
-    print_table(summary)
-    return summary
+# ------------------------------------------------------------------------------ jobs (worker side)
 
 
-def provenance() -> dict:
-    """How the numbers were obtained: command, commit, machine, versions, date."""
-    import os
-    import platform
-    import subprocess
-    import sys
-    from datetime import datetime, timezone
-
+def _worker_init() -> None:
     import torch
 
+    torch.set_num_threads(1)
+
+
+def _logged(log: Path, fn, *args):
+    """Run fn with its output (progress bars, lm-eval's log) in a file: workers run side by side."""
+    import logging
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f, redirect_stdout(f), redirect_stderr(f):
+        handler = logging.StreamHandler(f)
+        logging.getLogger().addHandler(handler)
+        try:
+            return fn(*args)
+        finally:
+            logging.getLogger().removeHandler(handler)
+
+
+def _train_job(config: TrainConfig) -> dict:
+    from blockgen.harness.train import train
+
+    start = time.perf_counter()
+    checkpoint = train(config)
+    return {"checkpoint": str(checkpoint), "train_seconds": round(time.perf_counter() - start, 1)}
+
+
+def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, difficulty: str, out: str) -> dict:
+    from blockgen.harness.wordproblem_eval import evaluate_embedded
+
+    results = evaluate_embedded(checkpoint, sampler, config.problems, max_gen_toks=DEMO_MAX_GEN_TOKS,
+                                batch_size=config.batch_size, difficulty=difficulty, results_path=out)
+    return results
+
+
+def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
+    """Validation NLL per token under each trained block size alone and under the mixture's bounds."""
+    import torch
+
+    from blockgen.harness.checkpoint import load_checkpoint
+    from blockgen.harness.data import encode_problems
+    from blockgen.harness.tokenizer import special_tokens
+    from blockgen.harness.wordproblems import generate, to_records
+    from blockgen.models.objectives import jensen_bound, lse_bound, sequence_nll
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    data = train_config.data
+    problems = to_records(generate("validation", data.n_val, data.seed, data.difficulty))
+    val, _ = encode_problems(problems, tokenizer, special_tokens(tokenizer), train_config.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    sizes = model.mixture.sizes
+    per_size = torch.zeros(len(sizes), len(val), dtype=torch.float64)
+    with torch.inference_mode():
+        for i in range(0, len(val), 32):
+            b = val[i : i + 32]
+            lm = b.loss_mask.float()
+            per_size[:, i : i + 32] = torch.stack([
+                sequence_nll(model.dit, model.prior, b.tokens, lm, s, train_config.k_mc, model.schedule, b.condition_mask, gen)
+                for s in sizes]).double()
+    tokens = float(val.loss_mask.sum())
+    weights = model.mixture.weights
+    out = {f"nll_block_{s}": float(per_size[j].sum()) / tokens for j, s in enumerate(sizes)}
+    out["nll_lse"] = float(lse_bound(per_size, weights).sum()) / tokens
+    out["nll_jensen"] = float(jensen_bound(per_size, weights).sum()) / tokens
+    out.update(tokens=int(tokens), sequences=len(val), k_mc=train_config.k_mc)
+    return out
+
+
+# ------------------------------------------------------------------------------ the run (main side)
+
+
+def _provenance() -> dict:
+    from blockgen.harness.leaderboard import provenance
+
+    return provenance(" ".join(["blockgen", *sys.argv[1:]]))
+
+
+def _fresh(results_path: Path, checkpoint: str) -> bool:
+    """A results file from an earlier run that scored this very checkpoint."""
+    from blockgen.harness.lm_eval_adapter import checkpoint_hash
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "command": " ".join(["blockgen", *sys.argv[1:]]),
-        "commit": commit or None,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads",
-    }
+        results = json.loads(results_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return results.get("config", {}).get("model_sha") == checkpoint_hash(checkpoint)
 
 
-def evaluate_checkpoint(checkpoint: Path, n_problems: int) -> dict[str, dict]:
-    """Accuracy of each sampler that fits the model on generated held-out test problems, from the
-    lm-eval task gsm8k_code_embedded (the same run as `lm_eval --tasks gsm8k_code_embedded`)."""
-    reports = {}
-    for sampler in samplers_for(read_config(checkpoint).block_sizes):
-        report = evaluate_embedded(checkpoint, sampler, n_problems, max_gen_toks=DEMO_MAX_GEN_TOKS)
-        reports[sampler_label(sampler)] = report
-        print(f"  {sampler_label(sampler):<28} accuracy {_pct(report['accuracy'])} of {report['n']} "
-              f"(in distribution {_pct(report['accuracy_in_distribution'])}, held-out structures "
-              f"{_pct(report['accuracy_heldout'])}), model calls/block {report['model_calls_per_block']:.2f} "
-              f"(paper NFE label {report['paper_nfe_per_block']}), prompts truncated {report['truncated_prompts']}")
-    return reports
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_demo(config: DemoConfig) -> dict:
+    from blockgen.harness.data import get_tokenizer
+    from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
+
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    models = {name: model_config(config, name) for name in config.presets}
+    levels = {m.data.difficulty for m in models.values()}
+    if len(levels) != 1:
+        raise ValueError(f"the demo's models train on different generator levels {sorted(levels)}; pass --difficulty")
+    (difficulty,) = levels
+    for train_config in models.values():  # once, here: workers must not race to build the shared tokenizer
+        get_tokenizer(train_config.data)
+    jobs = config.jobs or usable_cores()
+    print(f"demo: {len(models)} models on {jobs} worker process(es), one thread each; "
+          f"generator level {difficulty!r}{'' if difficulty == DEFAULT_DIFFICULTY else ' (not the default)'}; "
+          f"logs under {out / 'logs'}", flush=True)
+    start = time.perf_counter()
+    summary: dict[str, dict] = {name: {} for name in models}
+    results_files: dict[str, list[Path]] = {name: [] for name in models}
+    bar = tqdm(desc="demo jobs", unit="job", total=len(models))
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
+        pending: dict[Future, tuple] = {}
+        for name, train_config in models.items():
+            pending[pool.submit(_logged, out / "logs" / f"train-{name}.log", _train_job, train_config)] = ("train", name)
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                kind, name, *rest = pending.pop(future)
+                result = future.result()  # a failed job stops the demo with its error (its log says more)
+                bar.update()
+                if kind == "train":
+                    summary[name].update(result)
+                    checkpoint = result["checkpoint"]
+                    bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {checkpoint}")
+                    pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = ("nll", name)
+                    bar.total += 1
+                    for sampler in samplers_for(models[name].block_sizes, config.temperatures, config.nfes):
+                        label = sampler_label(sampler)
+                        path = out / "results" / name / f"{label}.json"
+                        results_files[name].append(path)
+                        if _fresh(path, checkpoint):
+                            continue
+                        log = out / "logs" / f"eval-{name}-{label}.log"
+                        pending[pool.submit(_logged, log, _eval_job, checkpoint, sampler, config, difficulty, str(path))] = ("eval", name, label)
+                        bar.total += 1
+                    bar.refresh()
+                elif kind == "nll":
+                    summary[name]["likelihood"] = result
+                else:
+                    bar.write(f"{name:<16} {rest[0]:<30} accuracy {_pct(result['accuracy'])} ± {_pct(result['accuracy_stderr'])}")
+    bar.close()
+    board = _leaderboard(config, models, summary, results_files, difficulty)
+    summary_doc = {"provenance": _provenance(), "wall_seconds": round(time.perf_counter() - start, 1), "models": summary}
+    (out / "summary.json").write_text(json.dumps(summary_doc, indent=2))
+    _finish(board, out)
+    print(f"demo: done in {summary_doc['wall_seconds'] / 60:.1f} min; {out / 'leaderboard.json'}, {out / 'page' / 'index.html'}")
+    return summary_doc
+
+
+def _leaderboard(config: DemoConfig, models: dict[str, TrainConfig], summary: dict, results_files: dict, difficulty: str):
+    from blockgen.harness.leaderboard import Leaderboard, Row, rows_from_results, write
+
+    rows: list[Row] = []
+    for name, paths in results_files.items():
+        train_config = models[name]
+        for path in paths:
+            rows += rows_from_results(json.loads(path.read_text()), str(path), model=name)
+        nll = summary[name].get("likelihood", {})
+        common = dict(model=name, task="wordproblems_validation_nll", higher_is_better=False, n=nll.get("sequences"),
+                      prior=train_config.prior if train_config.block_sizes != (1,) else None,
+                      block_sizes=list(train_config.block_sizes), block_weights=list(train_config.block_weights),
+                      train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(Path(config.out_dir) / "summary.json"))
+        rows += [Row(metric=metric, value=value, **common) for metric, value in nll.items() if metric.startswith("nll_")]
+    board = Leaderboard(rows=rows, description=(
+        f"make demo: tiny models trained on the embedded word problems (level {difficulty!r}) on CPU, "
+        f"gsm8k_code_embedded accuracy on {config.problems} held-out problems per sampler setting, "
+        "validation NLL per token per block size and under the mixture bounds"), provenance=_provenance())
+    write(board, Path(config.out_dir) / "leaderboard.json")
+    return board
+
+
+def _finish(board, out: Path) -> None:
+    from blockgen.harness.page import build_page
+
+    print_table(board.rows)
+    page = build_page(board.rows, out / "page", sources=[str(out / "leaderboard.json")])
+    print(f"plots and page: {page.parent}")
 
 
 def _pct(share: float | None) -> str:
-    return "n/a" if share is None else f"{share:.1%}"
+    return "n/a" if share is None or (isinstance(share, float) and math.isnan(share)) else f"{share:.1%}"
 
 
-def print_table(summary: dict[str, dict]) -> None:
-    header = f"{'model':<18} {'prior':<8} {'block sizes':<12} {'steps':>6} {'train s':>8} {'val NLL/tok (LSE)':>18} {'(Jensen)':>9}"
+def print_table(rows) -> None:
+    """Accuracy (± standard error), speed and calls per model and sampler setting; NLL per model."""
+    acc = sorted((r for r in rows if r.metric == "exact_match"),
+                 key=lambda r: (r.model, r.temperature or 0, r.nfe_per_block or 0, r.sampler or ""))
+    header = f"{'model':<16} {'sampler':<10} {'T':>4} {'NFE':>4} {'N,GE,W':>8} {'accuracy':>16} {'calls/blk':>9} {'tok/s':>7}"
     print(header)
     print("-" * len(header))
-    for name, row in summary.items():
-        sizes = ",".join(map(str, row["block_sizes"]))
-        print(
-            f"{name:<18} {row['prior']:<8} {sizes:<12} {row['steps']:>6} {row['train_seconds']:>8} "
-            f"{row['val_nll_per_token_lse']:>18.4f} {row['val_nll_per_token_jensen']:>9.4f}"
-        )
-        for label, report in row["accuracy"].items():
-            print(f"{'':<18}   {label:<30} accuracy {report['accuracy']:6.1%}  calls/block {report['model_calls_per_block']:.2f}")
+    for r in acc:
+        settings = "" if r.sampler.startswith("ar_") else f"{r.steps},{r.ge},{r.warmup}"
+        temp = "" if r.sampler == "ar_greedy" else f"{r.temperature:g}"
+        nfe = "" if r.nfe_per_block is None else str(r.nfe_per_block)
+        print(f"{r.model:<16} {r.sampler:<10} {temp:>4} {nfe:>4} {settings:>8} "
+              f"{_pct(r.value):>7} ± {_pct(r.stderr):>6} {r.model_calls_per_block or 0:>9.2f} {r.tokens_per_s or 0:>7.0f}")
+    nll = [r for r in rows if r.task == "wordproblems_validation_nll"]
+    for model in dict.fromkeys(r.model for r in nll):
+        parts = ", ".join(f"{r.metric.removeprefix('nll_')} {r.value:.4f}" for r in nll if r.model == model)
+        print(f"{model:<16} validation NLL/token: {parts}")

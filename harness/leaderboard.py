@@ -9,6 +9,7 @@ sampler variant per NFE, as the paper's figures do.
     blockgen leaderboard add results/.../results_*.json --to leaderboards/owt.json
     blockgen leaderboard show leaderboards/paper.json --task gsm8k_code --best
     blockgen leaderboard page                     # every leaderboards/*.json -> runs/leaderboard-page/index.html
+    blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json   # exit 1 past a tolerance
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Row:
     wall_seconds: float | None = None  # the whole lm_eval run
     tokens_per_s: float | None = None  # generated tokens / wall_seconds (None for likelihood tasks)
     note: str | None = None
+    tolerance: float | None = None  # regression reference only: the largest move of value the check accepts
 
     def key(self) -> tuple:
         """Rows with the same key describe the same measurement: a newer one replaces the older."""
@@ -189,6 +191,30 @@ def read(path: str | Path) -> Leaderboard:
     return parse(data, str(path))
 
 
+def provenance(command: str) -> dict[str, str]:
+    """How a file's numbers were obtained: the command, the commit (marked when the tracked tree had
+    uncommitted changes), the date and the machine."""
+    import platform
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD") + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor())
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "command": command,
+        "commit": commit,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{cpu}, {os.cpu_count()} CPUs ({usable} usable), {platform.system()} {platform.release()}",
+    }
+
+
 def write(board: Leaderboard, path: str | Path) -> None:
     """Write atomically: a temporary file in the same folder, flushed, then renamed over `path`."""
     path = Path(path)
@@ -301,11 +327,13 @@ def _task_settings(info: dict, report: dict, output_type: str | None, wall: floa
         if len(settings) > 1:
             raise LeaderboardError(f"one task ran {len(settings)} sampler settings; run one setting per lm_eval call")
     tokens = gen.get("generated_tokens")
+    # Decoding speed: the time inside the sampler when the adapter measured it, else the whole run.
+    seconds = _number(gen.get("generate_seconds")) or wall
     return dict(
         sampler=s.get("sampler"), steps=s.get("steps"), ge=s.get("ge"), warmup=s.get("warmup"),
         temperature=_number(s.get("temperature")), block_size=s.get("block_size"), nfe_per_block=nfe,
         model_calls_per_block=_number(calls), total_calls=gen.get("model_calls"),
-        tokens_per_s=tokens / wall if tokens is not None and wall else None,
+        tokens_per_s=tokens / seconds if tokens is not None and seconds else None,
     )
 
 
@@ -384,6 +412,10 @@ def _parser():
     show.add_argument("--columns", nargs="+", default=SHOW_COLUMNS, help="columns to print (default: %(default)s)")
     sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
     sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
+    check = sub.add_parser("check", help="compare a rerun with a reference that carries tolerances; exit 1 on a regression")
+    check.add_argument("new", help="the rerun's leaderboard JSON")
+    check.add_argument("--against", default="leaderboards/ci_regression.json", help="reference leaderboard (default: %(default)s)")
+    check.add_argument("--all", action="store_true", help="list every row, not only those past their tolerance")
     return parser
 
 
@@ -421,6 +453,12 @@ def main(argv: list[str]) -> int:
                 df = best_per_nfe(df)
             with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
                 print(df[args.columns].to_string(index=False) if not df.empty else "(no rows)")
+        elif args.action == "check":
+            from blockgen.harness.regression import check
+
+            passed, text = check(args.new, args.against, args.all)
+            print(text)
+            return 0 if passed else 1
         elif args.action == "page":
             from blockgen.harness.page import build_page
 

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import statistics
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -326,7 +327,7 @@ class Usage:
     """
 
     COUNTS = ("requests", "truncated_requests", "truncated_tokens")
-    GENERATION = ("requests", "model_calls", "blocks", "generated_tokens")
+    GENERATION = ("requests", "model_calls", "blocks", "generated_tokens", "generate_seconds")
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, request type)
@@ -338,10 +339,10 @@ class Usage:
     def request(self, task: str, kind: str, dropped: int) -> None:
         self.counts[task, kind].update(requests=1, truncated_requests=int(dropped > 0), truncated_tokens=dropped)
 
-    def generated(self, task: str, settings: dict, result, requests: int) -> None:
+    def generated(self, task: str, settings: dict, result, requests: int, seconds: float) -> None:
         self.generation[task, json.dumps(settings, sort_keys=True)].update(
             requests=requests, model_calls=result.model_calls, blocks=result.n_blocks,
-            generated_tokens=sum(map(len, result.tokens)))
+            generated_tokens=sum(map(len, result.tokens)), generate_seconds=seconds)
 
     def scored(self, task: str, kind: str, doc: Any, scores: list[tuple[int, RequestScore]], k_mc: int) -> None:
         self.k_mc = k_mc
@@ -372,7 +373,7 @@ class Usage:
             row = {**json.loads(key), **{name: counts[name] for name in self.GENERATION}}
             row["model_calls_per_block"] = row["model_calls"] / row["blocks"] if row["blocks"] else 0.0
             entry.setdefault("settings", []).append(row)
-            for name in ("model_calls", "generated_tokens"):
+            for name in ("model_calls", "generated_tokens", "generate_seconds"):
                 entry[name] = entry.get(name, 0) + row[name]
         for (task, kind), by_doc in sorted(self.stderr.items()):
             stderrs = [se for ses in by_doc.values() for se in ses if se is not None]
@@ -782,9 +783,11 @@ class BlockGenLM(TemplateLM):
         for batch in collator.get_batched(n=self.batch_size):
             batch_plans = [plan for _, plan in batch]
             sampler = batch_plans[0].sampler
+            start = time.perf_counter()
             result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
                               stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans])
-            self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch))
+            self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
+                                 time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):
                 text = self._decode(ids)
                 for s in plan.until:  # the sampler stops after a block; cut at the first stop string

@@ -4,14 +4,18 @@
   per (task, generation block size): the paper's figures 1-2 (best variant per NFE; AR as
   horizontal lines, since it has no NFE per block);
 - generative perplexity vs unigram entropy, one curve per model and sampler setting across
-  temperatures: the paper's figure 3.
+  temperatures: the paper's figure 3;
+- the speed-quality frontier, one figure per (task, model) with measured decoding speed: accuracy
+  against decoded tokens/s for every sampler setting, AR greedy on the same model as the reference
+  (and a line at 95% of its accuracy), the Pareto frontier joined by a thin line. This project's rows
+  only: the paper publishes no tokens/s.
 Published rows are drawn thin and faded beside this project's rows, labelled "(paper)".
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from blockgen.harness.leaderboard import Row, best_per_nfe, table
 
@@ -104,6 +108,111 @@ def genppl_vs_entropy(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
     return written
 
 
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (higher is better on both).
+
+    A point is beaten when another is at least as good on both coordinates and better on one; equal
+    points do not beat each other. The indices come in increasing order of the first coordinate.
+    """
+    def beaten(i: int) -> bool:
+        (x, y) = points[i]
+        return any(ox >= x and oy >= y and (ox > x or oy > y) for ox, oy in points)
+
+    return sorted((i for i in range(len(points)) if not beaten(i)), key=lambda i: (points[i][0], -points[i][1]))
+
+
+FRONTIER_TEMPERATURE_MARKERS = ("o", "s", "^", "D", "v", "P")  # one per temperature, in decreasing order
+AR_REFERENCE_FRACTION = 0.95  # the issue's goal: keep at least 95% of AR greedy's accuracy
+
+
+def speed_quality_frontier(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
+    """Accuracy vs decoded tokens/s, one figure per (task, model) that has rows with a measured speed."""
+    df = table(rows)
+    df = df[df.metric.isin(ACCURACY_METRICS) & ~df.published.astype(bool)]
+    df = df.assign(tokens_per_s=df.tokens_per_s.astype(float))
+    timed = df[df.tokens_per_s > 0]  # a log axis; NaN (no speed measured) compares False
+    if timed.empty:
+        return []
+    import pandas as pd
+
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    written = []
+    for (task, model), group in timed.groupby(["task", "model"]):
+        fig, ax = plt.subplots(figsize=(7.8, 5.0))
+        handles = []
+        others = group[group.sampler != "ar_greedy"]
+        temps = sorted(others.temperature.dropna().unique(), reverse=True)
+        marker_of = {t: FRONTIER_TEMPERATURE_MARKERS[i % len(FRONTIER_TEMPERATURE_MARKERS)] for i, t in enumerate(temps)}
+        several_blocks = others[~others.sampler.isin(AR_SAMPLERS)].block_size.nunique() > 1
+        for (sampler, temp), points in others.groupby(["sampler", "temperature"], dropna=False):
+            ax.errorbar(points.tokens_per_s, 100 * points.value, yerr=100 * points.stderr.astype(float).fillna(0.0),
+                        fmt=marker_of.get(temp, "o"), color=COLORS.get(sampler, "tab:purple"), markersize=6,
+                        elinewidth=0.8, capsize=2, zorder=3)
+            for _, point in points.iterrows():
+                if pd.notna(point.nfe_per_block):
+                    label = f"{point.nfe_per_block}" + (f"/b{point.block_size}" if several_blocks else "")
+                    ax.annotate(label, (point.tokens_per_s, 100 * point.value), xytext=(4, 3),
+                                textcoords="offset points", fontsize=7, color="0.25")
+        present = set(others.sampler.dropna())
+        for sampler in [s for s in COLORS if s in present] + sorted(present - COLORS.keys()):  # colour = sampler
+            handles.append(Patch(color=COLORS.get(sampler, "tab:purple"), label=sampler))
+        for temp in temps:  # marker = temperature
+            handles.append(Line2D([], [], color="0.35", marker=marker_of[temp], linestyle="none", label=f"T = {temp:g}"))
+
+        # AR greedy on the same model: its own point, and the goal line (drawn even when its speed was not measured)
+        greedy = df[(df.task == task) & (df.model == model) & (df.sampler == "ar_greedy")]
+        if not greedy.empty:
+            reference = 100 * greedy.value.max()
+            ax.axhline(AR_REFERENCE_FRACTION * reference, color=COLORS["ar_greedy"], linestyle="--", linewidth=1, zorder=1)
+            handles.append(Line2D([], [], color=COLORS["ar_greedy"], linestyle="--", linewidth=1,
+                                  label=f"{AR_REFERENCE_FRACTION:.0%} of AR greedy"))
+        greedy_timed = group[group.sampler == "ar_greedy"]
+        if not greedy_timed.empty:
+            ax.errorbar(greedy_timed.tokens_per_s, 100 * greedy_timed.value,
+                        yerr=100 * greedy_timed.stderr.astype(float).fillna(0.0), fmt="*", color=COLORS["ar_greedy"],
+                        markersize=12, elinewidth=0.8, capsize=2, zorder=4)
+            for _, point in greedy_timed.iterrows():
+                ax.annotate("AR greedy", (point.tokens_per_s, 100 * point.value), xytext=(7, -10),
+                            textcoords="offset points", fontsize=7, bbox=dict(boxstyle="square,pad=0.1", fc="white",
+                                                                               ec="none", alpha=0.8))
+            handles.append(Line2D([], [], color=COLORS["ar_greedy"], marker="*", markersize=10, linestyle="none",
+                                  label="AR greedy (reference)"))
+
+        speed_accuracy = list(zip(group.tokens_per_s, 100 * group.value))
+        front = [speed_accuracy[i] for i in pareto_front(speed_accuracy)]
+        if len(front) > 1:  # one point alone is no line
+            ax.plot(*zip(*front), color="0.4", linewidth=0.8, zorder=2)
+            handles.append(Line2D([], [], color="0.4", linewidth=0.8, label="Pareto frontier"))
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 20, 50, 100 rather than 10^2
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if not greedy_timed.empty:  # the issue states speed as a multiple of AR greedy's; after set_xscale, which
+            ar_speed = greedy_timed.tokens_per_s.median()  # would reset this axis's ticks
+            top = ax.secondary_xaxis("top", functions=(lambda x: x / ar_speed, lambda r: r * ar_speed))
+            top.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0)))
+            top.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+            top.xaxis.set_minor_formatter(NullFormatter())
+            top.set_xlabel("speed-up over AR greedy", fontsize=8)
+            top.tick_params(labelsize=8)
+        ax.margins(x=0.12, y=0.08)
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1.0))  # all-zero accuracies: a 0-1 % axis, not 1e-18
+        ax.set_xlabel("decoded tokens/s (log scale)")
+        ax.set_ylabel(f"{task} accuracy (%)")
+        ax.grid(alpha=0.3, which="both")
+        hardware = sorted(set(group.hardware.dropna()))
+        ax.set_title(f"{task}, {model}: speed vs accuracy (upper right is better)\n"
+                     f"labels: NFE per block (paper's label); {', '.join(hardware) or 'hardware not recorded'}", fontsize=9)
+        ax.legend(handles=handles, fontsize=7, loc="best")
+        written.append(_save(plt, fig, Path(out_dir) / f"frontier_{_slug(task)}_{_slug(model)}.png"))
+    return written
+
+
 def _save(plt, fig, path: Path) -> Path:
     """Lay out, write and close a figure (closing frees it: pyplot keeps every open figure)."""
     fig.tight_layout()
@@ -114,4 +223,4 @@ def _save(plt, fig, path: Path) -> Path:
 
 def plot_all(rows: list[Row], out_dir: str | Path) -> list[Path]:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return accuracy_vs_nfe(rows, out_dir) + genppl_vs_entropy(rows, out_dir)
+    return accuracy_vs_nfe(rows, out_dir) + genppl_vs_entropy(rows, out_dir) + speed_quality_frontier(rows, out_dir)

@@ -8,6 +8,7 @@ scoring (extract the program, run it in the sandbox, compare).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -45,8 +46,13 @@ def evaluate_embedded(
     batch_size: int = 32,
     device: str = "cpu",
     limit: int | None = None,
+    difficulty: str | None = None,
+    results_path: str | Path | None = None,
 ) -> dict:
-    """Run `gsm8k_code_embedded` on a checkpoint with one sampler; the task's numbers and the run's calls."""
+    """Run `gsm8k_code_embedded` on a checkpoint with one sampler; the task's numbers and the run's calls.
+
+    `difficulty`: the generator's level of the test problems (None: the task's default).
+    `results_path`: also write lm-eval's results (what `lm_eval --output_path` holds) there as JSON."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -58,10 +64,20 @@ def evaluate_embedded(
         model_args["max_gen_toks"] = max_gen_toks
     # lm-eval passes model args to tasks as metadata when it builds the TaskManager itself; ours
     # indexes only this project's tasks (lm-eval's own few thousand cost seconds), so pass them here.
-    tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False,
-                        metadata={**model_args, "embedded_problems": n_problems})
+    metadata = {**model_args, "embedded_problems": n_problems}
+    if difficulty is not None:
+        metadata["difficulty"] = difficulty
+    tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
     out = lm_eval.simple_evaluate(model="blockgen", model_args=model_args, tasks=[TASK], task_manager=tasks,
                                   batch_size=batch_size, device=device, limit=limit, log_samples=False)
+    if results_path is not None:
+        from lm_eval.utils import handle_non_serializable
+
+        path = Path(results_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")  # atomic: a killed run leaves no half-written results
+        tmp.write_text(json.dumps(out, indent=2, default=handle_non_serializable))
+        tmp.replace(path)
     return report(out)
 
 

@@ -25,6 +25,12 @@ the base result, e.g. "... She then sells all of them for $3 each. How much mone
 Mia make?". About a third of the problems get a distractor sentence carrying an
 irrelevant number that the code must ignore. Names, objects and units vary.
 
+Difficulty (``DIFFICULTIES``): "hard" draws from every template, chains up to two follow-ups
+and adds a distractor to 30 % of the problems; "easy" (the default) keeps the first 5 templates,
+single-step, with no distractor (its held-out test structures are the held-out phrasings);
+"medium" keeps 10 templates, one follow-up in half the problems and 10 % distractors. A
+``Difficulty`` sets the three knobs directly.
+
 Public API: ``generate``, ``to_records``, ``WordProblem``, ``question_split``,
 ``is_heldout``, ``SPLITS``, ``TEMPLATES``, ``FOLLOWUPS``.
 
@@ -55,10 +61,14 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, TypeVar
 
 __all__ = [
+    "DEFAULT_DIFFICULTY",
+    "DIFFICULTIES",
     "FOLLOWUPS",
     "SPLITS",
     "TEMPLATES",
+    "Difficulty",
     "WordProblem",
+    "difficulty",
     "generate",
     "is_heldout",
     "question_split",
@@ -69,10 +79,47 @@ SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
 # Fraction of test problems drawn with a held-out structure.
 _TEST_HELDOUT_FRAC = 0.3
-# Probability of 0, 1 or 2 follow-up steps (bases whose result cannot be chained stay single).
-_DEPTH_WEIGHTS = (0.3, 0.45, 0.25)
-_DISTRACTOR_PROB = 0.3
 _MAX_ANSWER = 10_000
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """How varied the problems are. Every level keeps the split rule and the held-out structures."""
+
+    templates: int | None = None  # the first k base templates of TEMPLATES (None: all of them)
+    # Probability of 0, 1 or 2 follow-up steps (bases whose result cannot be chained stay single).
+    depth_weights: tuple[float, float, float] = (0.3, 0.45, 0.25)
+    distractor_prob: float = 0.3  # chance of one sentence with an irrelevant number
+
+    def __post_init__(self) -> None:
+        if self.templates is not None and not 1 <= self.templates:
+            raise ValueError(f"templates={self.templates}; must be a positive number of base templates or None (all)")
+        if len(self.depth_weights) != 3 or min(self.depth_weights) < 0 or abs(sum(self.depth_weights) - 1) > 1e-9:
+            raise ValueError(f"depth_weights={self.depth_weights}; three non-negative weights summing to 1")
+        if not 0 <= self.distractor_prob <= 1:
+            raise ValueError(f"distractor_prob={self.distractor_prob}; must lie in [0, 1]")
+
+
+# "hard" is the full variety (40 templates, up to two follow-ups, a distractor in 30 % of the
+# problems). "easy" is the embedded default: the first 5 templates, single-step, no distractor; a
+# tiny model trained for minutes on 2 CPU cores learns it well enough that samplers and priors
+# separate, while "medium" (10 templates, one follow-up in half the problems) left them all near 0 %
+# at the same budget (README, "Embedded benchmark").
+DIFFICULTIES: dict[str, Difficulty] = {
+    "easy": Difficulty(templates=5, depth_weights=(1.0, 0.0, 0.0), distractor_prob=0.0),
+    "medium": Difficulty(templates=10, depth_weights=(0.5, 0.5, 0.0), distractor_prob=0.1),
+    "hard": Difficulty(),
+}
+DEFAULT_DIFFICULTY = "easy"
+
+
+def difficulty(level: str | Difficulty) -> Difficulty:
+    """A named level (one of DIFFICULTIES) or a Difficulty as it is."""
+    if isinstance(level, Difficulty):
+        return level
+    if level not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {level!r}; choose one of {sorted(DIFFICULTIES)}")
+    return DIFFICULTIES[level]
 
 _T = TypeVar("_T")
 
@@ -1483,7 +1530,7 @@ def _choose_followup(c: _Ctx, d: _Draft, prev: str, policy: str) -> Optional[str
     return None
 
 
-def _attempt(rng: random.Random, route: Optional[str]) -> Optional[WordProblem]:
+def _attempt(rng: random.Random, route: Optional[str], level: Difficulty) -> Optional[WordProblem]:
     """Draw one problem; None when the draw is not usable (caller retries).
 
     ``route`` is None for seen structures only, "phrasing" for a held-out phrasing, or
@@ -1491,14 +1538,16 @@ def _attempt(rng: random.Random, route: Optional[str]) -> Optional[WordProblem]:
     """
     c = _Ctx(rng)
     r = c.rand()
-    depth = 0 if r < _DEPTH_WEIGHTS[0] else (1 if r < _DEPTH_WEIGHTS[0] + _DEPTH_WEIGHTS[1] else 2)
+    weights = level.depth_weights
+    depth = 0 if r < weights[0] else (1 if r < weights[0] + weights[1] else 2)
     heldout = route is not None
     pair_route = route == "pair"
+    templates = TEMPLATES[: level.templates]
     if route == "phrasing":
-        name = c.pick(_HELDOUT_NAMES)
+        name = c.pick(tuple(n for n in _HELDOUT_NAMES if n in templates))
         ph = _HELDOUT_PHRASING[name]
     else:
-        name = c.pick(TEMPLATES)
+        name = c.pick(templates)
         if pair_route:
             depth = max(depth, 1)
             ph = c.ri(0, _TEMPLATES[name][0] - 1)
@@ -1519,7 +1568,7 @@ def _attempt(rng: random.Random, route: Optional[str]) -> Optional[WordProblem]:
     if pair_route and not followups:
         return None
     n_distract = 0
-    if c.rand() < _DISTRACTOR_PROB:
+    if c.rand() < level.distractor_prob:
         d.sents.insert(c.ri(1, len(d.sents)), _distractor(c, d))
         n_distract = 1
     if not 0 <= d.value < _MAX_ANSWER:
@@ -1535,15 +1584,20 @@ def _attempt(rng: random.Random, route: Optional[str]) -> Optional[WordProblem]:
     )
 
 
-def generate(split: str, n: int, seed: int = 0) -> list[WordProblem]:
-    """Draw ``n`` problems of ``split`` ("train", "validation" or "test").
+def generate(split: str, n: int, seed: int = 0, level: str | Difficulty = DEFAULT_DIFFICULTY) -> list[WordProblem]:
+    """Draw ``n`` problems of ``split`` ("train", "validation" or "test") at a difficulty ``level``.
 
-    Deterministic in (split, n, seed), and a shorter list is a prefix of a longer one.
+    Deterministic in (split, n, seed, level), and a shorter list is a prefix of a longer one.
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of: {', '.join(SPLITS)}")
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
+    level = difficulty(level)
+    routes = ["phrasing"] if any(name in _HELDOUT_PHRASING for name in TEMPLATES[: level.templates]) else []
+    routes += ["pair"] if level.depth_weights[0] < 1 else []  # a held-out chaining needs a follow-up
+    if split == "test" and not routes:
+        raise ValueError(f"{level} leaves no structure to hold out: allow follow-ups or a template with a held-out phrasing")
     # A string seed is hashed with SHA-512 by random.Random: stable across runs and platforms.
     rng = random.Random(f"blockgen.wordproblems/{split}/{seed}")
     out: list[WordProblem] = []
@@ -1551,9 +1605,9 @@ def generate(split: str, n: int, seed: int = 0) -> list[WordProblem]:
         route = None
         if split == "test" and rng.random() < _TEST_HELDOUT_FRAC:
             # Decided per slot, not per attempt, so the harder route keeps its share.
-            route = "phrasing" if rng.random() < 0.5 else "pair"
+            route = routes[0] if rng.random() < 0.5 or len(routes) == 1 else routes[-1]
         while True:
-            p = _attempt(rng, route)
+            p = _attempt(rng, route, level)
             if p is None or question_split(p.question) != split:
                 continue
             if is_heldout(p) == (route is not None):

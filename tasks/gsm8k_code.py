@@ -11,7 +11,8 @@ the sandbox (`blockgen.tasks.sandbox`) and its return value is compared with the
   (`blockgen.harness.wordproblems`, seed 0): the first ``embedded_problems`` (500) problems it
   draws, whatever the tokenizer, so every checkpoint sees the same problems. About 30 % have a
   structure never used in training; ``exact_match_heldout`` and ``exact_match_in_distribution``
-  score the two parts apart.
+  score the two parts apart. The generator's level is ``--metadata '{"difficulty": "hard"}'``
+  (default "easy", the demo's training level: `wordproblems.DIFFICULTIES`).
 
 Prompt: the exact ids a checkpoint was trained on, ``[BOS] question SEP`` (`encode_prompt`). lm-eval
 hands the model a string, which the blockgen adapter encodes as BOS + the tokenizer's encoding, so
@@ -38,6 +39,7 @@ from lm_eval.api.filter import Filter
 from lm_eval.api.samplers import ContextSampler
 from tqdm import tqdm
 
+from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
 from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, is_correct, run_many
 
 GSM8K_HUB = ("openai/gsm8k", "main", "test")
@@ -138,20 +140,21 @@ def load_gsm8k(gsm8k_path: str | None = None, **metadata):
     return _dataset([{"question": q, "answer": a} for q, a in zip(data["question"], data["answer"])], metadata)
 
 
-def generated_test_problems(n: int = EMBEDDED_PROBLEMS) -> list[dict]:
-    """The first n generated test problems (seed 0): question, answer ('#### N'), is_heldout, structure."""
+def generated_test_problems(n: int = EMBEDDED_PROBLEMS, difficulty: str = DEFAULT_DIFFICULTY) -> list[dict]:
+    """The first n generated test problems (seed 0) of a difficulty level: question, answer
+    ('#### N'), is_heldout, structure."""
     from blockgen.harness.wordproblems import generate, is_heldout
 
     return [
         {"question": p.question, "answer": f"#### {p.answer}", "is_heldout": is_heldout(p), "structure": p.structure}
-        for p in generate("test", n, seed=EMBEDDED_SEED)
+        for p in generate("test", n, seed=EMBEDDED_SEED, level=difficulty)
     ]
 
 
-def load_embedded(embedded_problems: int = EMBEDDED_PROBLEMS, **metadata):
+def load_embedded(embedded_problems: int = EMBEDDED_PROBLEMS, difficulty: str = DEFAULT_DIFFICULTY, **metadata):
     if not isinstance(embedded_problems, int) or embedded_problems < 1:
         raise ValueError(f"embedded_problems={embedded_problems!r}; must be a positive integer")
-    return _dataset(generated_test_problems(embedded_problems), metadata)
+    return _dataset(generated_test_problems(embedded_problems, difficulty), metadata)
 
 
 class ZeroShot(ContextSampler):

@@ -122,6 +122,9 @@ def test_blockgen_leaderboard_add_turns_lm_eval_results_into_rows(results_file, 
     assert gen.total_calls == report["model_calls"] > 0 and gen.model_calls_per_block is not None
     assert gen.n == 6 and gen.train_steps == 20 and gen.checkpoint_sha == results["config"]["model_sha"]
     assert gen.lm_eval_version == results["lm_eval_version"] and gen.wall_seconds > 0 and gen.tokens_per_s > 0
+    # Decoding speed counts the time inside the sampler, not the whole run (loading, scoring).
+    assert 0 < report["generate_seconds"] < gen.wall_seconds
+    assert gen.tokens_per_s == pytest.approx(report["generated_tokens"] / report["generate_seconds"])
     ppl = rows["word_perplexity"]
     assert ppl.sampler is None and ppl.k_mc == 2 and ppl.higher_is_better is False and ppl.stderr is None
     assert {"byte_perplexity", "bits_per_byte"} <= rows.keys()

@@ -204,15 +204,64 @@ def test_scoring_accepts_reference_programs_and_rejects_others():
 
 
 def test_demo_command_end_to_end(tmp_path):
-    """`blockgen demo` (the README's main job) on the CI preset: trains, evaluates, writes a summary."""
+    """`blockgen demo` (the README's main job) on the CI preset: trains, sweeps the samplers in worker
+    processes, writes a leaderboard whose bounds hold, plots and a page; a rerun redoes nothing."""
+    from blockgen.harness import leaderboard
+
     out = tmp_path / "demo"
-    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci", "--max-steps", "4", "--problems", "8"]
+    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci", "--max-steps", "4",
+           "--problems", "8", "--nfes", "4", "--jobs", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["provenance"]["command"].startswith("blockgen demo")
-    row = summary["models"]["ci"]
-    assert row["steps"] == 4 and math.isfinite(row["val_nll_per_token_lse"])
-    assert set(row["accuracy"]) == {"ancestral(N8,T0.1)", "arpc(N6,GE3,T0.1)", "ar_greedy"}
-    assert all(r["n"] == 8 for r in row["accuracy"].values())
-    assert "accuracy" in result.stdout
+    rows = leaderboard.read(out / "leaderboard.json").rows
+    accuracy = {r.sampler: r for r in rows if r.metric == "exact_match"}
+    assert set(accuracy) == {"ancestral", "eipc", "arpc", "ar_greedy"}
+    assert all(r.n == 8 and r.train_steps == 4 and r.tokens_per_s > 0 for r in accuracy.values())
+    assert {r.nfe_per_block for r in accuracy.values() if r.sampler != "ar_greedy"} == {4}
+    # The likelihood rows: log-sum-exp bound <= NLL_s - log(gamma_s) per sequence, and <= Jensen.
+    nll = {r.metric: r.value for r in rows if r.task == "wordproblems_validation_nll"}
+    info = summary["models"]["ci"]["likelihood"]
+    per_token = info["sequences"] / info["tokens"]
+    for size, weight in zip(preset("ci").block_sizes, preset("ci").block_weights):
+        assert nll["nll_lse"] <= nll[f"nll_block_{size}"] - math.log(weight) * per_token + 1e-9
+    assert nll["nll_lse"] <= nll["nll_jensen"] + 1e-9
+    plots = {p.name for p in (out / "page").glob("*.png")}
+    assert any(n.startswith("accuracy_vs_nfe_gsm8k_code_embedded") for n in plots)
+    assert any(n.startswith("frontier_gsm8k_code_embedded") for n in plots)
+    assert (out / "page" / "index.html").is_file()
+    assert "accuracy" in result.stdout and "validation NLL/token" in result.stdout
+    # Nothing lost, nothing redone: a rerun keeps the checkpoint and every results file.
+    results = sorted((out / "results").rglob("*.json"))
+    stamps = [p.stat().st_mtime_ns for p in results]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [p.stat().st_mtime_ns for p in results] == stamps
+    assert leaderboard.read(out / "leaderboard.json").rows == rows
+
+
+def test_demo_sweep_matches_the_paper_nfe_labels():
+    from blockgen.harness.demo import DIFFUSION_VARIANTS, DemoConfig, samplers_for
+    from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+
+    for nfe, variants in DIFFUSION_VARIANTS.items():
+        for name, steps, ge, warmup in variants:
+            assert paper_nfe_per_block(SamplerConfig(name, steps=steps, ge=ge, warmup=warmup)) == nfe
+    mixture = samplers_for((1, 16), (1.0, 0.1), (4, 8, 16))
+    assert len(mixture) == 2 * 3 * 3 + 1 and mixture[-1].name == "ar_greedy"
+    assert {s.name for s in samplers_for((16,), (0.1,), (4,))} == {"ancestral", "eipc"}  # ARPC needs block size 1
+    assert [(s.name, s.temperature) for s in samplers_for((1,), (1.0,), (4,))] == [("ar_greedy", 1.0), ("ar_sample", 1.0)]
+    with pytest.raises(ValueError, match="choose from"):
+        DemoConfig(nfes=(5,))
+
+
+def test_cosine_schedule_warms_up_then_decays_to_a_tenth():
+    config = preset("ci", lr=1e-3, warmup_steps=10, max_steps=110, lr_schedule="cosine")
+    lrs = [config.lr_at(step) for step in range(110)]
+    assert lrs[:10] == pytest.approx([1e-3 * (i + 1) / 10 for i in range(10)])
+    assert lrs[10] == pytest.approx(1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert config.lr_at(110) == pytest.approx(1e-4) and lrs[60] == pytest.approx(0.55e-3)
+    assert replace(config, lr_schedule="constant").lr_at(50) == 1e-3
+    with pytest.raises(ValueError, match="choose 'constant' or 'cosine'"):
+        replace(config, lr_schedule="linear")

@@ -19,17 +19,17 @@ ASSIGN = re.compile(r"    (\w+) = (\d+)")
 
 @pytest.fixture(scope="module")
 def train() -> list[wp.WordProblem]:
-    return wp.generate("train", 20_000, seed=0)
+    return wp.generate("train", 20_000, seed=0, level="hard")
 
 
 @pytest.fixture(scope="module")
 def test_split() -> list[wp.WordProblem]:
-    return wp.generate("test", 2_000, seed=0)
+    return wp.generate("test", 2_000, seed=0, level="hard")
 
 
 @pytest.fixture(scope="module")
 def validation() -> list[wp.WordProblem]:
-    return wp.generate("validation", 1_000, seed=0)
+    return wp.generate("validation", 1_000, seed=0, level="hard")
 
 
 def run(code: str) -> object:
@@ -161,3 +161,38 @@ def test_records_and_frozen() -> None:
     assert records[0]["question"] == problems[0].question and records[0]["code"] == problems[0].code
     with pytest.raises(dataclasses.FrozenInstanceError):
         problems[0].answer = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("level", sorted(wp.DIFFICULTIES))
+def test_difficulty_levels_keep_the_split_rule(level: str) -> None:
+    knobs = wp.DIFFICULTIES[level]
+    train = wp.generate("train", 3000, seed=0, level=level)
+    test = wp.generate("test", 1000, seed=0, level=level)
+    allowed = set(wp.TEMPLATES[: knobs.templates])
+    assert {p.template for p in train} == allowed  # every allowed template, nothing else
+    assert {p.template for p in test} <= allowed
+    depth = Counter(len(p.followups) for p in train)
+    assert max(depth) <= max(i for i, w in enumerate(knobs.depth_weights) if w > 0)
+    assert abs(sum(p.distractors > 0 for p in train) / len(train) - knobs.distractor_prob) < 0.04
+    assert not any(wp.is_heldout(p) for p in train)
+    assert 0.2 < sum(wp.is_heldout(p) for p in test) / len(test) < 0.4
+    assert all(wp.question_split(p.question) == "test" for p in test)
+    for p in train[:300] + test[:300]:
+        assert run(p.code) == p.answer
+
+
+def test_easier_levels_have_fewer_structures() -> None:
+    structures = {level: len({p.structure for p in wp.generate("train", 3000, seed=0, level=level)})
+                  for level in ("easy", "medium", "hard")}
+    assert structures["easy"] < structures["medium"] < structures["hard"]
+
+
+def test_difficulty_errors_name_the_choices() -> None:
+    with pytest.raises(ValueError, match="easy.*hard.*medium"):
+        wp.generate("train", 3, level="trivial")
+    single_step = wp.Difficulty(templates=1, depth_weights=(1.0, 0.0, 0.0))  # its template has no held-out phrasing
+    assert len(wp.generate("train", 5, level=single_step)) == 5
+    with pytest.raises(ValueError, match="no structure to hold out"):
+        wp.generate("test", 5, level=single_step)
+    one_template = wp.Difficulty(templates=1, depth_weights=(0.5, 0.5, 0.0))
+    assert {p.template for p in wp.generate("test", 50, seed=0, level=one_template)} == {wp.TEMPLATES[0]}

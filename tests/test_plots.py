@@ -1,0 +1,136 @@
+"""The speed-quality frontier plot: the Pareto selection, what the figure draws, and the PNG as a user opens it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from blockgen.harness import plots
+from blockgen.harness.leaderboard import Row
+from blockgen.harness.plots import COLORS, pareto_front, speed_quality_frontier
+
+TASK, MODEL = "embedded_wordproblems", "gsm-masked-mix"
+AR_GREEDY = (0.60, 40.0)  # accuracy, tokens/s
+
+
+def gen_row(sampler: str, nfe: int, temperature: float, value: float, tokens_per_s: float | None, *,
+            model: str = MODEL, published: bool = False, steps: int | None = None) -> Row:
+    ar = sampler in plots.AR_SAMPLERS
+    return Row(model=model, task=TASK, metric="exact_match", value=value, stderr=0.02, n=500, higher_is_better=True,
+               published=published, prior="masked", sampler=sampler, steps=steps or nfe, ge=1, warmup=0,
+               temperature=temperature, block_size=1 if ar else 16, nfe_per_block=nfe, tokens_per_s=tokens_per_s,
+               hardware="CPU: test")
+
+
+def sweep() -> list[Row]:
+    """Three samplers at NFE 4, 8, 16 and two temperatures, AR greedy and sampled, all with a measured speed."""
+    rows = [gen_row("ar_greedy", 1, 1.0, *AR_GREEDY)]
+    rows += [gen_row("ar_sample", 1, t, 0.50 - 0.1 * (t == 1.0), 39.0) for t in (1.0, 0.1)]
+    for sampler, quality in (("ancestral", 0.30), ("eipc", 0.40), ("arpc", 0.50)):
+        for nfe in (4, 8, 16):
+            for t in (1.0, 0.1):
+                value = quality + 0.02 * np.log2(nfe) + (0.05 if t == 0.1 else 0.0)
+                rows.append(gen_row(sampler, nfe, t, value, 16 * 40.0 / nfe / (1.4 if sampler == "arpc" else 1.0)))
+    return rows
+
+
+# ------------------------------------------------------------------------------ the Pareto frontier
+
+
+def test_pareto_front_of_a_hand_made_set():
+    points = [(10, 50), (20, 40), (20, 45), (40, 30), (5, 50), (30, 20), (40, 30)]
+    # (5, 50) is beaten by (10, 50): as accurate and faster; (20, 40) by (20, 45); (30, 20) by (40, 30);
+    # the two equal (40, 30) do not beat each other
+    assert pareto_front(points) == [0, 2, 3, 6]
+    assert pareto_front([]) == [] and pareto_front([(1.0, 2.0)]) == [0]
+    assert pareto_front([(1, 1), (2, 2), (3, 3)]) == [2]  # one point beats all the others
+
+
+def test_pareto_front_is_a_staircase_that_covers_every_point():
+    rng = random.Random(0)
+    for _ in range(50):
+        points = [(rng.randint(1, 20), rng.randint(0, 20)) for _ in range(rng.randint(1, 30))]
+        front = [points[i] for i in pareto_front(points)]
+        assert all(a[0] <= b[0] and a[1] >= b[1] for a, b in zip(front, front[1:]))  # faster is never more accurate
+        # every point has a frontier point at least as fast and at least as accurate
+        assert all(any(fx >= x and fy >= y for fx, fy in front) for x, y in points)
+        # the frontier's points are exactly the best accuracy at their speed or above
+        for x, y in front:
+            assert y == max(py for px, py in points if px >= x)
+
+
+# ------------------------------------------------------------------------------ what the figure draws
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The axes of each figure, captured just before it is written."""
+    axes = []
+    save = plots._save
+
+    def capture(plt, fig, path):
+        axes.append((path.name, fig.axes[0]))
+        return save(plt, fig, path)
+
+    monkeypatch.setattr(plots, "_save", capture)
+    return axes
+
+
+def test_frontier_draws_the_reference_line_and_the_pareto_line(tmp_path, drawn):
+    rows = sweep()
+    (path,) = speed_quality_frontier(rows, tmp_path)
+    assert path.name == f"frontier_{TASK}_{MODEL}.png"
+    (name, ax), = drawn
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "ancestral", "eipc", "arpc", "ar_sample", "T = 1", "T = 0.1", "95% of AR greedy", "AR greedy (reference)",
+        "Pareto frontier"]
+    assert ax.get_xscale() == "log"
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    (reference,) = dashed
+    assert np.allclose(reference.get_ydata(), 95 * AR_GREEDY[0])  # axhline: 95% of AR greedy, in percent
+    points = [(r.tokens_per_s, 100 * r.value) for r in rows]
+    expected = [points[i] for i in pareto_front(points)]
+    (frontier,) = [line for line in ax.lines if line.get_linestyle() == "-" and len(line.get_xdata()) == len(expected)
+                   and line.get_marker() in (None, "None", "")]
+    assert np.allclose(np.column_stack([frontier.get_xdata(), frontier.get_ydata()]), expected)
+    # every non-reference point is labelled with its NFE per block
+    labels = [t.get_text() for t in ax.texts]
+    assert sorted(labels) == sorted([str(r.nfe_per_block) for r in rows if r.sampler != "ar_greedy"] + ["AR greedy"])
+
+
+def test_frontier_png_opens_and_shows_every_sampler_colour(tmp_path):
+    import matplotlib.colors
+    import matplotlib.image
+
+    (path,) = speed_quality_frontier(sweep(), tmp_path)
+    image = matplotlib.image.imread(path)[..., :3]
+    assert image.shape[0] > 400 and image.shape[1] > 700 and image.std() > 0.05  # drawn, not blank
+    for sampler in ("ancestral", "eipc", "arpc"):
+        colour = np.array(matplotlib.colors.to_rgb(COLORS[sampler]))
+        near = np.abs(image - colour).max(axis=-1) < 0.03
+        assert near.sum() > 30, sampler  # markers of that sampler's colour are on the image
+    assert len(np.unique((image * 255).round().astype(np.uint8).reshape(-1, 3), axis=0)) > 20
+
+
+def test_no_figure_without_measured_speed_or_for_published_rows(tmp_path):
+    untimed = [gen_row("arpc", nfe, 0.1, 0.4, None) for nfe in (4, 8)] + [gen_row("ar_greedy", 1, 1.0, 0.6, None)]
+    published = [gen_row("arpc", 4, 0.1, 0.4, 100.0, model="paper-model", published=True)]
+    assert speed_quality_frontier(untimed + published, tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+    # one figure per (task, model) that has timed rows: the untimed model gets none
+    timed = [gen_row("arpc", 4, 0.1, 0.4, 100.0, model="timed-model")]
+    assert [p.name for p in speed_quality_frontier(untimed + published + timed, tmp_path)] == [f"frontier_{TASK}_timed-model.png"]
+
+
+def test_the_page_lists_the_frontier_png(tmp_path):
+    from blockgen.harness.page import build_page
+
+    page = build_page(sweep(), tmp_path / "site")
+    data = json.loads(re.search(r'<script type="application/json" id="leaderboard-data">(.*?)</script>',
+                                page.read_text(), re.S).group(1))
+    assert f"frontier_{TASK}_{MODEL}.png" in data["plots"]
+    assert (page.parent / f"frontier_{TASK}_{MODEL}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
