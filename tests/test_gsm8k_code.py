@@ -53,7 +53,7 @@ def gsm8k_file(gsm8k, tmp_path_factory) -> Path:
 
 
 def _sep_bpe():
-    problems = generate("train", 600)
+    problems = generate("train", 600, level="hard")  # the full variety: a vocabulary closer to GSM8K's
     return train_bpe([p.question for p in problems] + [p.code for p in problems], 400)
 
 
@@ -62,7 +62,7 @@ def _bpe_without_sep():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    problems = generate("train", 600)
+    problems = generate("train", 600, level="hard")  # the full variety: a vocabulary closer to GSM8K's
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
