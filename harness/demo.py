@@ -134,9 +134,8 @@ def _train_job(config: TrainConfig) -> dict:
 def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, difficulty: str, out: str) -> dict:
     from blockgen.harness.wordproblem_eval import evaluate_embedded
 
-    results = evaluate_embedded(checkpoint, sampler, config.problems, max_gen_toks=DEMO_MAX_GEN_TOKS,
-                                batch_size=config.batch_size, difficulty=difficulty, results_path=out)
-    return results
+    return evaluate_embedded(checkpoint, sampler, config.problems, max_gen_toks=DEMO_MAX_GEN_TOKS,
+                             batch_size=config.batch_size, difficulty=difficulty, results_path=out)
 
 
 def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
@@ -147,7 +146,7 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
     from blockgen.harness.data import encode_problems
     from blockgen.harness.tokenizer import special_tokens
     from blockgen.harness.wordproblems import generate, to_records
-    from blockgen.models.objectives import jensen_bound, lse_bound, sequence_nll
+    from blockgen.models.objectives import jensen_bound, lse_bound
 
     model, tokenizer = load_checkpoint(checkpoint)
     data = train_config.data
@@ -160,9 +159,7 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
         for i in range(0, len(val), 32):
             b = val[i : i + 32]
             lm = b.loss_mask.float()
-            per_size[:, i : i + 32] = torch.stack([
-                sequence_nll(model.dit, model.prior, b.tokens, lm, s, train_config.k_mc, model.schedule, b.condition_mask, gen)
-                for s in sizes]).double()
+            per_size[:, i : i + 32] = model.nll_by_block_size(b.tokens, lm, train_config.k_mc, b.condition_mask, gen).double()
     tokens = float(val.loss_mask.sum())
     weights = model.mixture.weights
     out = {f"nll_block_{s}": float(per_size[j].sum()) / tokens for j, s in enumerate(sizes)}
@@ -181,15 +178,13 @@ def _provenance() -> dict:
     return provenance(" ".join(["blockgen", *sys.argv[1:]]))
 
 
-def _fresh(results_path: Path, checkpoint: str) -> bool:
-    """A results file from an earlier run that scored this very checkpoint."""
-    from blockgen.harness.lm_eval_adapter import checkpoint_hash
-
+def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
+    """A results file from an earlier run that scored the checkpoint with this hash."""
     try:
         results = json.loads(results_path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return results.get("config", {}).get("model_sha") == checkpoint_hash(checkpoint)
+    return results.get("config", {}).get("model_sha") == checkpoint_sha
 
 
 def usable_cores() -> int:
@@ -197,6 +192,7 @@ def usable_cores() -> int:
 
 
 def run_demo(config: DemoConfig) -> dict:
+    from blockgen.harness.checkpoint import checkpoint_hash
     from blockgen.harness.data import get_tokenizer
     from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
 
@@ -233,11 +229,12 @@ def run_demo(config: DemoConfig) -> dict:
                     bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {checkpoint}")
                     pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = ("nll", name)
                     bar.total += 1
+                    sha = checkpoint_hash(checkpoint)  # once per model: it reads the weights
                     for sampler in samplers_for(models[name].block_sizes, config.temperatures, config.nfes):
                         label = sampler_label(sampler)
                         path = out / "results" / name / f"{label}.json"
                         results_files[name].append(path)
-                        if _fresh(path, checkpoint):
+                        if _fresh(path, sha):
                             continue
                         log = out / "logs" / f"eval-{name}-{label}.log"
                         pending[pool.submit(_logged, log, _eval_job, checkpoint, sampler, config, difficulty, str(path))] = ("eval", name, label)

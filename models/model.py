@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from blockgen.models.backbone import BackboneConfig, DiT
 from blockgen.models.diffusion import LogLinearSchedule, make_prior
-from blockgen.models.objectives import BlockMixture, mixture_nll, noisy_forward
+from blockgen.models.objectives import BlockMixture, component_nll, mixture_nll, noisy_forward
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,14 @@ class BlockGen(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence (log-sum-exp, Jensen) NLL bounds over the model's mixture."""
         return mixture_nll(self.dit, self.prior, self.mixture, x, loss_mask, k_mc, self.schedule, condition_mask, generator)
+
+    def nll_by_block_size(
+        self,
+        x: torch.Tensor,
+        loss_mask: torch.Tensor,
+        k_mc: int = 8,
+        condition_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Per-sequence NELBO of each trained block size alone, (M, B) in `mixture.sizes` order."""
+        return component_nll(self.dit, self.prior, self.mixture, x, loss_mask, k_mc, self.schedule, condition_mask, generator)

@@ -163,7 +163,23 @@ def mixture_nll(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-sum-exp bound, Jensen bound) per sequence, each (B,), from every component's NELBO."""
-    per_size = torch.stack(
+    per_size = component_nll(model, prior, mixture, x, loss_mask, k_mc, schedule, condition_mask, generator)
+    return lse_bound(per_size, mixture.weights), jensen_bound(per_size, mixture.weights)
+
+
+@torch.no_grad()
+def component_nll(
+    model: DiT,
+    prior: Prior,
+    mixture: BlockMixture,
+    x: torch.Tensor,
+    loss_mask: torch.Tensor,
+    k_mc: int,
+    schedule: LogLinearSchedule,
+    condition_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Each block size's NELBO alone, per sequence: (M, B) in the mixture's order of sizes."""
+    return torch.stack(
         [sequence_nll(model, prior, x, loss_mask, s, k_mc, schedule, condition_mask, generator) for s in mixture.sizes]
     )
-    return lse_bound(per_size, mixture.weights), jensen_bound(per_size, mixture.weights)
