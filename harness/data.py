@@ -183,14 +183,16 @@ def embedded_tokenizer(config: DataConfig):
 
         problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
         texts = [p.question for p in problems] + [p.code for p in problems]
-        directory = Path(config.cache_dir) / f"tokenizer-{config.difficulty}-v{config.vocab_size}-s{config.seed}"
+        name = f"{config.source}-{config.difficulty}"
     else:
         texts = document_split(config)[0] if config.source in DOCUMENT_SOURCES else None
         if texts is None:
             raise ValueError(f"tokenizer='embedded' trains on the embedded word problems or a document source "
                              f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
-        digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
-        directory = Path(config.cache_dir) / f"tokenizer-{config.source}-{digest}-v{config.vocab_size}"
+        name = config.source
+    # The key hashes the training text, so a changed generator or corpus never reuses a stale tokenizer.
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
+    directory = Path(config.cache_dir) / f"tokenizer-{name}-{digest}-v{config.vocab_size}"
     if (directory / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     return train_bpe(texts, config.vocab_size, directory)

@@ -5,7 +5,9 @@ the tokenizer is trained locally, the models are tiny; nothing touches the netwo
 of jobs (one training run per model, then one `lm_eval` run of `gsm8k_code_embedded` per sampler
 setting and one likelihood pass per model) spread over `jobs` single-threaded worker processes, one
 per usable core: small models use one core well, and a job that shares its core with another program
-slows down in proportion instead of stalling a team of OpenMP threads (README, "Embedded benchmark").
+slows down in proportion instead of stalling a team of OpenMP threads (README, "Sharing the machine").
+The AR model trains first and alone, on every worker's core, since the mixtures start from its
+weights (`WARM_STARTS`) and nothing else can run before it.
 
 Nothing is lost on a crash: models are normal checkpoints under `out_dir/<preset>/checkpoint` (a
 rerun resumes or skips them) and each evaluation is a results file under `out_dir/results/` that a
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from blockgen.harness.train import DEMO_PRESETS, TrainConfig, preset
+from blockgen.harness.train import DEMO_PRESETS, WARM_STARTS, TrainConfig, preset
 from blockgen.models.sampling import SamplerConfig
 
 # One (sampler, N_step, GE, warm-up) per NFE label of the paper (appendix D) and sampler, taken from
@@ -123,12 +125,20 @@ def _logged(log: Path, fn, *args):
             logging.getLogger().removeHandler(handler)
 
 
-def _train_job(config: TrainConfig) -> dict:
+def _train_job(config: TrainConfig, threads: int) -> dict:
+    """Train one model; `threads` > 1 only for a job that runs alone (nothing else can run yet)."""
+    import torch
+
     from blockgen.harness.train import train
 
     start = time.perf_counter()
-    checkpoint = train(config)
-    return {"checkpoint": str(checkpoint), "train_seconds": round(time.perf_counter() - start, 1)}
+    torch.set_num_threads(threads)
+    try:
+        checkpoint = train(config)
+    finally:
+        torch.set_num_threads(1)
+    return {"checkpoint": str(checkpoint), "train_seconds": round(time.perf_counter() - start, 1), "threads": threads,
+            "init_from": config.init_from}
 
 
 def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, difficulty: str, out: str) -> dict:
@@ -209,14 +219,30 @@ def run_demo(config: DemoConfig) -> dict:
     print(f"demo: {len(models)} models on {jobs} worker process(es), one thread each; "
           f"generator level {difficulty!r}{'' if difficulty == DEFAULT_DIFFICULTY else ' (not the default)'}; "
           f"logs under {out / 'logs'}", flush=True)
+    # A model whose warm-start parent is in the demo trains after it, from its weights.
+    children: dict[str, list[str]] = {name: [] for name in models}
+    for name in models:
+        parent = WARM_STARTS.get(name)
+        if parent in models:
+            models[name] = replace(models[name], init_from=str(Path(models[parent].out_dir) / "checkpoint"))
+            children[parent].append(name)
+            print(f"demo: {name} starts from the weights of {parent}", flush=True)
+        elif parent is not None:
+            print(f"demo: {name} trains from random weights ({parent}, its usual starting point, is not in this run)", flush=True)
+    first = [name for name in models if models[name].init_from is None]
     start = time.perf_counter()
     summary: dict[str, dict] = {name: {} for name in models}
     results_files: dict[str, list[Path]] = {name: [] for name in models}
     bar = tqdm(desc="demo jobs", unit="job", total=len(models))
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
         pending: dict[Future, tuple] = {}
-        for name, train_config in models.items():
-            pending[pool.submit(_logged, out / "logs" / f"train-{name}.log", _train_job, train_config)] = ("train", name)
+
+        def submit_training(name: str, threads: int) -> None:
+            log = out / "logs" / f"train-{name}.log"
+            pending[pool.submit(_logged, log, _train_job, models[name], threads)] = ("train", name)
+
+        for name in first:  # a lone first model (the AR parent) may use every core: nothing else can run
+            submit_training(name, jobs if len(first) == 1 else 1)
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -227,6 +253,8 @@ def run_demo(config: DemoConfig) -> dict:
                     summary[name].update(result)
                     checkpoint = result["checkpoint"]
                     bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {checkpoint}")
+                    for child in children[name]:  # before this model's evaluations: the longer jobs first
+                        submit_training(child, 1)
                     pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = ("nll", name)
                     bar.total += 1
                     sha = checkpoint_hash(checkpoint)  # once per model: it reads the weights
@@ -259,13 +287,16 @@ def _leaderboard(config: DemoConfig, models: dict[str, TrainConfig], summary: di
     rows: list[Row] = []
     for name, paths in results_files.items():
         train_config = models[name]
+        parent = WARM_STARTS[name] if train_config.init_from else None  # train_steps counts this model's own steps
+        note = f"warm-started from {parent} ({models[parent].max_steps} steps)" if parent else None
         for path in paths:
-            rows += rows_from_results(json.loads(path.read_text()), str(path), model=name)
+            rows += [replace(r, note=note) for r in rows_from_results(json.loads(path.read_text()), str(path), model=name)]
         nll = summary[name].get("likelihood", {})
         common = dict(model=name, task="wordproblems_validation_nll", higher_is_better=False, n=nll.get("sequences"),
                       prior=train_config.prior if train_config.block_sizes != (1,) else None,
                       block_sizes=list(train_config.block_sizes), block_weights=list(train_config.block_weights),
-                      train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(Path(config.out_dir) / "summary.json"))
+                      train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(Path(config.out_dir) / "summary.json"),
+                      note=note)
         rows += [Row(metric=metric, value=value, **common) for metric, value in nll.items() if metric.startswith("nll_")]
     board = Leaderboard(rows=rows, description=(
         f"make demo: tiny models trained on the embedded word problems (level {difficulty!r}) on CPU, "

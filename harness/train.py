@@ -74,6 +74,10 @@ class TrainConfig:
     # auto: SDPA's boolean mask on every device. Measured on an H200 (paper-size model, batch 8,
     # L = 1024, bf16): 0.094 s/step with SDPA, 0.113 s with compiled flex_attention, 0.660 s eager.
     attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # Start from another checkpoint's weights (same tokenizer and shape; fresh optimizer and schedule),
+    # e.g. a mixture warm-started from the AR model: the clean stream and the AR path are the same
+    # computation, so what AR has learned (copying from the prompt) carries over. None: random init.
+    init_from: str | None = None
     compile: bool = False  # torch.compile the training forward (one graph per block size)
     peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
 
@@ -115,7 +119,7 @@ class TrainConfig:
 
 # Settings a resumed run may change (e.g. extending the step budget); anything else must match.
 RESUMABLE_CHANGES = frozenset(
-    {"max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops"}
+    {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops"}
 )
 
 
@@ -124,22 +128,28 @@ def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
 
 
 # The embedded default's models (paper: gamma_1 = 0.05, gamma_16 = 0.95 for the ARPC mixtures), on the
-# generator's default level ("easy"). Cosine decay and the step counts fit the demo into 45 minutes on
-# 2 cores (README, "Embedded benchmark"); validation runs once, at the end, on 128 held-out problems.
+# generator's default level ("easy"): the AR model first, then the diffusion models from its weights
+# (`WARM_STARTS`). Cosine decay and the step counts fit the demo into 45 minutes on 2 cores (README,
+# "Embedded benchmark"); validation runs once, at the end, on 128 held-out problems.
 _DEMO = dict(eval_every=10**9, save_every=100, lr=1.5e-3, lr_schedule="cosine", data=DataConfig(n_val=128))
 PRESETS: dict[str, TrainConfig] = {
-    "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=400, **_DEMO),
-    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=700, **_DEMO),
-    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=700, **_DEMO),
-    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=750, **_DEMO),
-    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=750, **_DEMO),
+    "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=800, **_DEMO),
+    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
+    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
+    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
+    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
     # CI: seconds, not minutes.
     "ci": TrainConfig(
         prior="masked", **_mixture((1, 4), (0.5, 0.5)), size="micro", batch_size=16, max_steps=40, warmup_steps=5,
         eval_every=20, save_every=20, k_mc=2, data=DataConfig(n_train=2000, n_val=32, vocab_size=512),
     ),
 }
-DEMO_PRESETS = ("gsm-masked-mix", "gsm-uniform-mix", "gsm-ar")  # longest first (parallel jobs)
+PRESETS["ci-ar"] = replace(PRESETS["ci"], **_mixture((1,), (1.0,)))
+DEMO_PRESETS = ("gsm-ar", "gsm-masked-mix", "gsm-uniform-mix")
+# Where a preset starts when `blockgen demo` trains both (`init_from`): the mixtures start from the AR
+# model. From random weights they had not learned to copy numbers from the question after 1,000-1,800
+# CPU steps (0-1 % solved); from the AR weights, 200 steps were enough (README, "Embedded benchmark").
+WARM_STARTS = {name: "gsm-ar" for name in ("gsm-masked", "gsm-uniform", "gsm-masked-mix", "gsm-uniform-mix")} | {"ci": "ci-ar"}
 
 
 @dataclass(frozen=True)
@@ -280,6 +290,38 @@ class EMA:
 
 
 @torch.no_grad()
+def warm_start(model: BlockGen, checkpoint: str | Path, tokenizer) -> None:
+    """Copy a checkpoint's weights into `model`. The priors may differ: the masked prior's extra
+    [MASK] row of the embedding and output layer is the only shape difference allowed (the rows
+    of the real vocabulary are copied, a row only one side has keeps its initialisation)."""
+    from safetensors.torch import load_file
+
+    from blockgen.harness.checkpoint import WEIGHTS, CheckpointError, read_config
+
+    source = read_config(Path(checkpoint))
+    if source.vocab_size != model.config.vocab_size or source.seq_len != model.config.seq_len:
+        raise ValueError(f"init_from={checkpoint}: vocabulary {source.vocab_size} / seq_len {source.seq_len} "
+                         f"differ from this run's {model.config.vocab_size} / {model.config.seq_len}")
+    from transformers import PreTrainedTokenizerFast
+
+    if PreTrainedTokenizerFast.from_pretrained(str(checkpoint)).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"init_from={checkpoint} was trained with another tokenizer")
+    weights = load_file(str(Path(checkpoint) / WEIGHTS))
+    own = model.state_dict()
+    if weights.keys() != own.keys():
+        raise CheckpointError(f"init_from={checkpoint}: another architecture (parameters {sorted(weights.keys() ^ own.keys())[:5]})")
+    vocab = model.config.vocab_size
+    for name, target in own.items():
+        value = weights[name]
+        if value.shape == target.shape:
+            target.copy_(value)
+        elif value.shape[1:] == target.shape[1:] and {value.shape[0], target.shape[0]} == {vocab, vocab + 1}:
+            target[:vocab].copy_(value[:vocab])
+        else:
+            raise CheckpointError(f"init_from={checkpoint}: {name} has shape {tuple(value.shape)}, this model {tuple(target.shape)}")
+
+
+@torch.no_grad()
 def validate(model: BlockGen, val: Examples, k_mc: int, batch_size: int, d: Dist, seed: int) -> dict:
     """Token-level NLL (log-sum-exp and Jensen bounds) of the validation set; sharded over ranks."""
     model.eval()
@@ -374,6 +416,8 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     special = special_tokens(tokenizer).to_dict()
     model_config = config.model_config(len(tokenizer), special, d.device)
     model = BlockGen(model_config).to(d.device)
+    if config.init_from is not None and not (ckpt_dir / TRAINING_STATE).is_file():
+        warm_start(model, config.init_from, tokenizer)
     ema = EMA(model, config.ema_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
     step = 0

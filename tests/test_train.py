@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from blockgen.harness.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
 from blockgen.harness.data import DataConfig, get_tokenizer, load_examples
-from blockgen.harness.train import preset, train
+from blockgen.harness.tokenizer import special_tokens
+from blockgen.harness.train import preset, train, warm_start
+from blockgen.models.model import BlockGen
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -64,6 +66,30 @@ def test_resume_continues_exactly(workdir):
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_warm_start_copies_the_weights_across_priors(workdir):
+    """`init_from`: every weight of the source, the real-vocabulary rows when the priors differ."""
+    source = train(ci_config(workdir, "ws-source", max_steps=2, eval_every=2, save_every=2), progress=False)
+    weights = load_file(str(source / "model.safetensors"))
+    tok = get_tokenizer(ci_config(workdir, "ws").data)
+    vocab = len(tok)
+    for prior in ("masked", "uniform"):
+        config = ci_config(workdir, f"ws-{prior}", prior=prior)
+        model = BlockGen(config.model_config(vocab, special_tokens(tok).to_dict(), "cpu"))
+        warm_start(model, source, tok)
+        for name, value in model.state_dict().items():
+            rows = vocab if value.shape != weights[name].shape else len(value)
+            torch.testing.assert_close(value[:rows], weights[name][:rows], rtol=0, atol=0)
+        assert model.dit.embed.weight.shape[0] == vocab + (prior == "masked")
+    wider = BlockGen(ci_config(workdir, "ws-wide", size="tiny").model_config(vocab, special_tokens(tok).to_dict(), "cpu"))
+    with pytest.raises(CheckpointError, match="another architecture"):
+        warm_start(wider, source, tok)
+    # Through training: one step at a negligible learning rate leaves the source's weights.
+    tuned = train(ci_config(workdir, "ws-train", prior="uniform", init_from=str(source), max_steps=1, lr=1e-12,
+                            warmup_steps=1, save_every=1, eval_every=1), progress=False)
+    after = load_file(str(tuned / "model.safetensors"))
+    torch.testing.assert_close(after["dit.blocks.0.attn.qkv.weight"], weights["dit.blocks.0.attn.qkv.weight"], rtol=0, atol=1e-6)
 
 
 def test_checkpoint_errors_are_clear(workdir, tmp_path):
@@ -209,19 +235,26 @@ def test_demo_command_end_to_end(tmp_path):
     from blockgen.harness import leaderboard
 
     out = tmp_path / "demo"
-    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci", "--max-steps", "4",
+    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "--max-steps", "4",
            "--problems", "8", "--nfes", "4", "--jobs", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["provenance"]["command"].startswith("blockgen demo")
+    # The mixture starts from the AR model's weights; the AR model trains alone, on both workers' cores.
+    models = summary["models"]
+    assert models["ci"]["init_from"] == str(out / "ci-ar" / "checkpoint") and models["ci-ar"]["init_from"] is None
+    assert (models["ci-ar"]["threads"], models["ci"]["threads"]) == (2, 1)
+    assert "ci starts from the weights of ci-ar" in result.stdout
     rows = leaderboard.read(out / "leaderboard.json").rows
-    accuracy = {r.sampler: r for r in rows if r.metric == "exact_match"}
+    assert {r.sampler for r in rows if r.model == "ci-ar" and r.metric == "exact_match"} == {"ar_greedy", "ar_sample"}
+    assert {r.note for r in rows if r.model == "ci"} == {"warm-started from ci-ar (4 steps)"}
+    accuracy = {r.sampler: r for r in rows if r.metric == "exact_match" and r.model == "ci"}
     assert set(accuracy) == {"ancestral", "eipc", "arpc", "ar_greedy"}
     assert all(r.n == 8 and r.train_steps == 4 and r.tokens_per_s > 0 for r in accuracy.values())
     assert {r.nfe_per_block for r in accuracy.values() if r.sampler != "ar_greedy"} == {4}
     # The likelihood rows: log-sum-exp bound <= NLL_s - log(gamma_s) per sequence, and <= Jensen.
-    nll = {r.metric: r.value for r in rows if r.task == "wordproblems_validation_nll"}
+    nll = {r.metric: r.value for r in rows if r.task == "wordproblems_validation_nll" and r.model == "ci"}
     info = summary["models"]["ci"]["likelihood"]
     per_token = info["sequences"] / info["tokens"]
     for size, weight in zip(preset("ci").block_sizes, preset("ci").block_weights):
