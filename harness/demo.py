@@ -216,7 +216,7 @@ def run_demo(config: DemoConfig) -> dict:
     for train_config in models.values():  # once, here: workers must not race to build the shared tokenizer
         get_tokenizer(train_config.data)
     jobs = config.jobs or usable_cores()
-    print(f"demo: {len(models)} models on {jobs} worker process(es), one thread each; "
+    print(f"demo: {len(models)} models on {jobs} worker process(es), one thread each (a training run that nothing else can run beside gets all {jobs}); "
           f"generator level {difficulty!r}{'' if difficulty == DEFAULT_DIFFICULTY else ' (not the default)'}; "
           f"logs under {out / 'logs'}", flush=True)
     # A model whose warm-start parent is in the demo trains after it, from its weights.
