@@ -28,7 +28,9 @@ from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, che
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m blockgen.harness.sample", description="Sample from a BlockGen checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json, model.safetensors, tokenizer), "
+                   "or a released one: hf:jdeschena/blockgen/<subfolder> or its local folder")
+    p.add_argument("--tokenizer", default=None, help="released checkpoints: a local copy of the setting's tokenizer")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; '' for unconditional)")
     p.add_argument("--prompts-file", type=Path, help="one prompt per line")
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
@@ -66,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             name=args.sampler, steps=args.steps, ge=args.ge, warmup=args.warmup, temperature=args.temperature,
             block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
         )
-        model, tokenizer = load_checkpoint(args.checkpoint, device=args.device)
+        from blockgen.harness.released import ReleaseError, ReleaseOverrides, resolve
+
+        try:
+            checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
+        except ReleaseError as err:
+            raise ValueError(str(err)) from None
+        model, tokenizer = load_checkpoint(checkpoint, device=args.device)
         check_config(model, config)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -4,6 +4,16 @@ The network is time-unconditional: adaLN is kept (zero-initialised) but its cond
 the embedding of t = 0 for every token, so the clean stream's keys and values never depend on the
 noise level and can be cached. The block size is an argument of the forward pass (through the
 attention layout), never of the model.
+
+Options (`BackboneConfig`), so the baselines and other code bases' networks are this one network:
+- `architecture`: "blockgen" runs `[x0 ; xt]` with the BlockGen mask; "ar" is a plain causal
+  transformer over the clean tokens (row i predicts token i + 1); "full_sequence" is one
+  bidirectional pass over the noisy sequence only (MDLM, Duo).
+- `adaln=False`: no conditioning at all (no time MLP, no adaLN; gates are 1), as the authors' AR.
+- `time_conditioning=True`: the conditioning embeds sigma = -log alpha_t (Duo) instead of 0; only
+  for the full-sequence network, whose passes have no clean cache to keep noise-independent.
+- `cond_silu=True`: c = silu(MLP(e(sigma))), the authors' DiT; this project's own models feed
+  MLP(e(t)) to adaLN directly.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import torch.nn.functional as F
 
 from blockgen.models.attention import Layout, dense_mask, training_block_mask, training_layout, training_mask
 
+ARCHITECTURES = ("blockgen", "ar", "full_sequence")
+
 
 @dataclass(frozen=True)
 class BackboneConfig:
@@ -31,12 +43,21 @@ class BackboneConfig:
     max_len: int = 1024
     causal_clean: bool = True  # token-causal clean stream (one KV cache for every block size)
     attention: Literal["sdpa", "flex"] = "sdpa"
+    architecture: Literal["blockgen", "ar", "full_sequence"] = "blockgen"  # see the module docstring
+    adaln: bool = True  # False: no conditioning vector, no adaLN (the authors' AR)
+    time_conditioning: bool = False  # condition on sigma = -log alpha_t (full_sequence only: Duo)
+    cond_silu: bool = False  # c = silu(MLP(e(sigma))) as the authors' DiT; False: MLP(e(t))
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.attention not in ("sdpa", "flex"):
             raise ValueError(f"attention={self.attention!r}; choose 'sdpa' or 'flex'")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}; choose one of {list(ARCHITECTURES)}")
+        if self.time_conditioning and (self.architecture != "full_sequence" or not self.adaln):
+            raise ValueError("time_conditioning=True needs architecture='full_sequence' and adaln=True: a BlockGen "
+                             "clean stream must not depend on the noise level (its keys and values are cached)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,12 +171,16 @@ class DiTBlock(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(approximate="tanh"), nn.Linear(4 * cfg.d_model, cfg.d_model)
         )
-        self.adaLN = nn.Linear(cfg.cond_dim, 6 * cfg.d_model)
-        nn.init.zeros_(self.adaLN.weight)
-        nn.init.zeros_(self.adaLN.bias)
+        if cfg.adaln:
+            self.adaLN = nn.Linear(cfg.cond_dim, 6 * cfg.d_model)
+            nn.init.zeros_(self.adaLN.weight)
+            nn.init.zeros_(self.adaLN.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cond, rotary, mask, cache, layer, n_commit):
+        if cond is None:  # no adaLN: plain pre-norm block (gates 1, no shift or scale)
+            x = x + self.dropout(self.attn(self.norm1(x), rotary, mask, cache, layer, n_commit))
+            return x + self.dropout(self.mlp(self.norm2(x)))
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(cond)[:, None].chunk(6, dim=-1)
         h = self.attn(modulate(self.norm1(x), shift1, scale1), rotary, mask, cache, layer, n_commit)
         x = x + gate1 * self.dropout(h)
@@ -183,12 +208,17 @@ class FinalLayer(nn.Module):
         super().__init__()
         self.norm = LayerNorm(cfg.d_model)
         self.linear = nn.Linear(cfg.d_model, cfg.vocab_size)
-        self.adaLN = nn.Linear(cfg.cond_dim, 2 * cfg.d_model)
-        for layer in (self.linear, self.adaLN):
+        layers = [self.linear]
+        if cfg.adaln:
+            self.adaLN = nn.Linear(cfg.cond_dim, 2 * cfg.d_model)
+            layers.append(self.adaLN)
+        for layer in layers:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
+        if cond is None:
+            return self.linear(self.norm(x))
         shift, scale = self.adaLN(cond)[:, None].chunk(2, dim=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
@@ -198,7 +228,8 @@ class DiT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # untied from the output layer
-        self.time = TimestepEmbedder(cfg.cond_dim)
+        if cfg.adaln:
+            self.time = TimestepEmbedder(cfg.cond_dim)
         self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_len)
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.n_layers))
         self.final = FinalLayer(cfg)
@@ -207,9 +238,22 @@ class DiT(nn.Module):
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None, n_commit: int, n_out: int):
-        # Time-unconditional: the conditioning vector is the embedding of t = 0 (a learned constant).
-        cond = self.time(torch.zeros(tokens.shape[0], device=tokens.device))
+    def conditioning(self, batch: int, device, sigma: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The adaLN input c (B, cond_dim), or None without adaLN.
+
+        Time-unconditional models embed t = 0 (a learned constant; the authors' sigma = 0 is the same
+        input). With `time_conditioning`, `sigma` (B,) = -log alpha_t is embedded instead.
+        """
+        if not self.cfg.adaln:
+            return None
+        if sigma is None or not self.cfg.time_conditioning:
+            sigma = torch.zeros(batch, device=device)
+        cond = self.time(sigma)
+        return F.silu(cond) if self.cfg.cond_silu else cond
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None, n_commit: int, n_out: int,
+             sigma: torch.Tensor | None = None):
+        cond = self.conditioning(tokens.shape[0], tokens.device, sigma)
         x = self.dropout(self.embed(tokens))
         rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):
@@ -225,6 +269,12 @@ class DiT(nn.Module):
         streams, so rows of different lengths share a batch without their padding changing any
         logit (the last block may be partial). It uses the dense SDPA mask, one per batch.
         """
+        if self.cfg.architecture == "ar":
+            if block_size != 1:
+                raise ValueError(f"the plain AR network has block size 1 only, got {block_size}")
+            return self.next_token_logits(x0, valid)
+        if self.cfg.architecture == "full_sequence":
+            return self.forward_full(xt, None, valid)  # time-conditioned callers pass sigma to forward_full
         seq_len = x0.shape[1]
         layout = training_layout(seq_len, block_size, x0.device)
         if valid is not None:
@@ -237,12 +287,44 @@ class DiT(nn.Module):
         tokens = torch.cat([x0, xt], dim=1)
         return self._run(tokens, layout.positions, mask, None, 0, seq_len)  # (1, 2L) positions broadcast
 
+    def forward_full(self, xt: torch.Tensor, sigma: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-sequence diffusion: logits (B, L, V) of one bidirectional pass over the noisy sequence,
+        positions 0..L-1 (padding, `valid` False, invisible). `sigma` (B,): see `conditioning`."""
+        b, n = xt.shape
+        positions = torch.arange(n, device=xt.device)[None]
+        if valid is None:
+            mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=xt.device)
+        else:
+            flags = torch.ones(b, n, dtype=torch.bool, device=xt.device)
+            layout = Layout(positions.expand(b, n), torch.zeros(b, n, dtype=torch.long, device=xt.device), flags, valid)
+            mask = dense_mask(layout, layout, True)
+        return self._run(xt, positions, mask, None, 0, n, sigma)
+
+    def forward_ar(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain causal transformer: logits (B, L, V) where row i predicts x[:, i + 1]."""
+        b, n = x.shape
+        positions = torch.arange(n, device=x.device)[None].expand(b, n)
+        valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if valid is None else valid
+        layout = Layout(positions, positions, torch.zeros_like(valid), valid)
+        return self._run(x, positions, dense_mask(layout, layout, True), None, 0, n)
+
+    def next_token_logits(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward_ar` aligned as BlockGen's block-size-1 logits: row i predicts x[:, i].
+
+        Row 0 has nothing to condition on in a plain AR model: the first token is given (log-prob 0),
+        as the authors' AR scores x[1:] from x[:-1].
+        """
+        raw = self.forward_ar(x, valid)
+        first = torch.full_like(raw[:, :1], -torch.inf).scatter_(-1, x[:, :1, None], 0.0)
+        return torch.cat([first, raw[:, :-1]], dim=1)
+
     def forward_cached(
         self,
         tokens: torch.Tensor,
         layout: Layout,
         cache: KVCache,
         n_commit: int = 0,
+        sigma: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run new tokens against a KV cache; returns logits of the noisy tokens (which come last).
 
@@ -251,10 +333,19 @@ class DiT(nn.Module):
         only. Uses SDPA with a dense mask: at sampling time the query count is one block.
         """
         layout = layout.expand(tokens.shape[0])
-        keys = layout if cache.layout is None else cache.layout.cat(layout)
-        mask = dense_mask(layout, keys, self.cfg.causal_clean)
         n_noisy = int(layout.noisy[0].sum())
-        logits = self._run(tokens, layout.positions, mask, cache, n_commit, n_noisy)
+        if self.cfg.architecture == "ar":
+            # The plain AR network never sees the placeholder: the noisy token at position p is
+            # predicted by the output of the call's last clean token (position p - 1).
+            n_clean = tokens.shape[1] - n_noisy
+            if n_noisy != 1 or n_clean < 1:
+                raise ValueError(f"the plain AR network predicts one token after at least one clean token per call; "
+                                 f"got {n_clean} clean and {n_noisy} noisy tokens")
+            layout = Layout(*(f[:, :n_clean] for f in layout._fields()))
+            tokens, n_noisy = tokens[:, :n_clean], 1
+        keys = layout if cache.layout is None else cache.layout.cat(layout)
+        mask = dense_mask(layout, keys, self.cfg.causal_clean or self.cfg.architecture == "ar")
+        logits = self._run(tokens, layout.positions, mask, cache, n_commit, n_noisy, sigma)
         committed = Layout(*(f[:, :n_commit] for f in layout._fields()))
         if n_commit:
             cache.layout = committed if cache.layout is None else cache.layout.cat(committed)

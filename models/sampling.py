@@ -320,24 +320,30 @@ class Decoder:
         tokens, mask = self.fixed
         return torch.where(mask, tokens, z)
 
-    def _call(self, tokens: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """One model call on `[queued clean ; tokens]`; returns the logits of the noisy tokens."""
+    def _call(self, tokens: torch.Tensor, layout: Layout, sigma: torch.Tensor | None = None) -> torch.Tensor:
+        """One model call on `[queued clean ; tokens]`; returns the logits of the noisy tokens.
+        `sigma` (B,): the time conditioning, read only by time-conditioned networks (Duo)."""
         self.calls += 1
         n_clean = 0
         if self.clean is not None:
             clean_tokens, clean_layout = self.clean
             n_clean = clean_tokens.shape[1]
             tokens, layout = torch.cat([clean_tokens, tokens], dim=1), clean_layout.cat(layout)
+        extra = {} if sigma is None else {"sigma": sigma}
         if not self.use_cache:
-            return self.dit.forward_cached(tokens, layout, KVCache(), 0)
+            return self.dit.forward_cached(tokens, layout, KVCache(), 0, **extra)
         self.clean = None
-        return self.dit.forward_cached(tokens, layout, self.cache, n_clean)
+        return self.dit.forward_cached(tokens, layout, self.cache, n_clean, **extra)
 
-    def denoise(self, z: torch.Tensor) -> torch.Tensor:
-        """Logits (B, L', V) of the noisy block z at the current position (block size L')."""
+    def denoise(self, z: torch.Tensor, alpha_t: float | None = None) -> torch.Tensor:
+        """Logits (B, L', V) of the noisy block z at the current position (block size L'); `alpha_t`:
+        the step's noise level, embedded as sigma = -log alpha_t by time-conditioned networks."""
         if self._noisy_layout is None or self._noisy_layout.positions.shape[1] != z.shape[1]:
             self._noisy_layout = _rows(self.batch, self.next_pos, z.shape[1], self.next_pos, noisy=True)
-        return self._call(z, self._noisy_layout)
+        sigma = None
+        if alpha_t is not None and self.dit.cfg.time_conditioning:
+            sigma = torch.full((self.batch,), -math.log(alpha_t), device=self.device)
+        return self._call(z, self._noisy_layout, sigma)
 
     def ar_pass(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, noisy tokens) of the AR pass (block size 1) over a clean proposal x (B, L').
@@ -437,7 +443,7 @@ def diffusion_block(dec: Decoder, config: SamplerConfig, generator: Randomness, 
     z = dec.pin(prior.prior_sample((dec.batch, dec.block_size), device=dec.device, generator=generator))
     for i in range(config.steps):
         alpha_t, alpha_s = step_alphas(i, config.steps, dec.eps)
-        x_probs, _ = _probs(prior, dec.denoise(z), z, config.temperature)
+        x_probs, _ = _probs(prior, dec.denoise(z, alpha_t), z, config.temperature)
         if config.informed(i):
             z = _informed_step(dec, config, z, x_probs, i, generator)
         else:

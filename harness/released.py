@@ -1,0 +1,659 @@
+"""The paper's released checkpoints (hub `jdeschena/blockgen`, one subfolder per model) as checkpoints of
+this harness: the one module that maps a release onto this project's model and checkpoint layout.
+
+A release subfolder holds `config.json` (the authors' model sub-config) and `model.safetensors` (the
+EMA backbone weights, the authors' key names). Everything else comes from the subfolder's path:
+
+    baselines/<dataset>/{ar,mdlm,duo}
+    blockgen/single_block_size/<bs>/<dataset>/{absorb,uniform}          block sizes {bs}, block-causal clean stream
+    blockgen/multi_block_size/<bs>/<dataset>/<w>/{absorb,uniform}       w = "a_b": gamma_1 = a, gamma_bs = b;
+                                                                        w = "uniform": equal weights on 1, 2, 4, ..., bs
+
+`<dataset>` names the tokenizer (owt: gpt2, tinygsm: SmolLM-135M); a `tokenizer=` override serves local
+copies and datasets without one (the test fixtures). A release is converted once (`import_release`):
+the architecture from config.json, the vocabulary from the embedding's rows, the weights renamed, the
+tokenizer (with the authors' `[PAD]` rule) saved beside them; the result is an ordinary checkpoint
+directory in a cache, whose config.json records the source (`training.source`). Every loader of
+checkpoints therefore takes a release through `resolve`.
+
+How the authors' network differs from this project's, and where each difference is handled:
+- key names (`vocab_embed.embedding` without `.weight`, `attn_qkv`, `sigma_map`, `output_layer`, ...):
+  renamed here (`map_weights`); `rotary_emb.inv_freq`, present or not, is checked and dropped;
+- c = silu(MLP(e(sigma))): model option `cond_silu`;
+- the AR baseline has no adaLN and is a plain causal transformer: `architecture="ar"`, `adaln=False`;
+- MDLM / Duo run one bidirectional pass over the noisy sequence: `architecture="full_sequence"`;
+  Duo embeds sigma = -log alpha_t: `time_conditioning=True`; BlockGen and MDLM embed sigma = 0,
+  which is this project's constant conditioning (the embedding of t = 0);
+- the uniform BlockGen models saw uniform draws at block size 1: `ar_placeholder="random"`;
+- vocabulary: V rows, [MASK] = V - 1 for absorb / mdlm / ar (this project's [MASK] = vocab_size is the
+  same id); OWT's [MASK] 50257 is also the authors' [PAD], harmless here because padding is never
+  attended to; the -1e6 mask logit and carry-over are this project's -inf (same probabilities);
+- rotate-half rotary, bias-free LayerNorm, adaLN chunk order, GELU-tanh MLP: already identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from blockgen.harness.checkpoint import CONFIG, WEIGHTS, CheckpointError, save_checkpoint
+from blockgen.harness.hub import OFFLINE_HINT, HubUnavailableError
+from blockgen.models.model import BlockGen, BlockGenConfig
+
+HUB_REPO = "jdeschena/blockgen"
+HF_PREFIX = "hf:"
+# Where `hf:jdeschena/blockgen/<subfolder>` is looked up before the hub: <dir>/<subfolder>.
+LOCAL_DIR_ENV = "BLOCKGEN_RELEASE_DIR"
+CACHE_ENV = "BLOCKGEN_RELEASE_CACHE"  # converted checkpoints (default ~/.cache/blockgen/released)
+
+Algo = Literal["ar", "mdlm", "duo", "blockgen"]
+ALGOS: tuple[str, ...] = ("ar", "mdlm", "duo", "blockgen")
+PRIORS = {"absorb": "masked", "uniform": "uniform"}  # the path's last component -> this project's prior
+
+
+@dataclass(frozen=True)
+class DatasetSetting:
+    tokenizer: str
+    seq_len: int
+
+
+DATASETS = {
+    "owt": DatasetSetting("gpt2", 1024),
+    "tinygsm": DatasetSetting("HuggingFaceTB/SmolLM-135M", 512),
+}
+
+
+class ReleaseError(CheckpointError):
+    pass
+
+
+# ------------------------------------------------------------------------------ the path
+
+
+@dataclass(frozen=True)
+class ReleaseSetting:
+    """What a release's subfolder path says (None: the path does not say it)."""
+
+    algo: Algo | None = None
+    prior: Literal["masked", "uniform"] | None = None
+    block_sizes: tuple[int, ...] | None = None
+    block_weights: tuple[float, ...] | None = None
+    x0_causal: bool | None = None
+    dataset: str | None = None
+    subfolder: str | None = None  # the path from `baselines/` or `blockgen/` on
+
+    @property
+    def tokenizer(self) -> str | None:
+        return DATASETS[self.dataset].tokenizer if self.dataset in DATASETS else None
+
+
+def _mixture(weights: str, block_size: int, where: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The authors' `algo.block_weights` over sizes 1, 2, 4, ..., bs as this project's (sizes, weights)."""
+    sizes = [1]
+    while sizes[-1] < block_size:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != block_size:
+        raise ReleaseError(f"{where}: multi-block block size {block_size} is not a power of two")
+    if weights == "uniform":  # the OWT scripts: "0.2 0.2 0.2 0.2 0.2", every size
+        return tuple(sizes), tuple(1.0 / len(sizes) for _ in sizes)
+    match = re.fullmatch(r"(\d*\.?\d+)_(\d*\.?\d+)", weights)
+    if not match:
+        raise ReleaseError(f"{where}: mixture weights {weights!r}; expected 'a_b' (gamma_1, gamma_{block_size}) or 'uniform'")
+    a, b = float(match[1]), float(match[2])
+    return (1, block_size), (a, b)
+
+
+def parse_release_path(path: str | Path) -> ReleaseSetting:
+    """The setting encoded by a release path (a hub subfolder or any local path that ends in one).
+
+    The last `baselines/...` or `blockgen/...` tail of the path that follows the release layout wins;
+    a path without one gives an empty setting (everything must then come from overrides).
+    """
+    parts = [p for p in Path(str(path)).parts if p not in ("", "/")]
+    for start in range(len(parts) - 1, -1, -1):
+        rest = parts[start:]
+        where = "/".join(rest)
+        if rest[0] == "baselines" and len(rest) == 3 and rest[2] in ("ar", "mdlm", "duo"):
+            algo = rest[2]
+            return ReleaseSetting(algo=algo, prior="uniform" if algo == "duo" else "masked", dataset=rest[1], subfolder=where)
+        if rest[0] != "blockgen" or len(rest) < 5 or rest[-1] not in PRIORS or not rest[2].isdigit():
+            continue
+        block = int(rest[2])
+        if rest[1] == "single_block_size" and len(rest) == 5:
+            return ReleaseSetting("blockgen", PRIORS[rest[-1]], (block,), (1.0,), False, rest[3], where)
+        if rest[1] == "multi_block_size" and len(rest) == 6:
+            sizes, weights = _mixture(rest[4], block, where)
+            return ReleaseSetting("blockgen", PRIORS[rest[-1]], sizes, weights, True, rest[3], where)
+    return ReleaseSetting()
+
+
+# ------------------------------------------------------------------------------ overrides
+
+
+@dataclass(frozen=True)
+class ReleaseOverrides:
+    """Explicit settings (model args): required where the path says nothing, refused where they
+    contradict the path, config.json or the weights."""
+
+    algo: Algo | None = None
+    prior: Literal["masked", "uniform"] | None = None
+    block_sizes: tuple[int, ...] | None = None
+    block_weights: tuple[float, ...] | None = None
+    x0_causal: bool | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.algo is not None and self.algo not in ALGOS:
+            raise ValueError(f"algo={self.algo!r}; choose one of {list(ALGOS)}")
+        if self.prior is not None and self.prior not in ("masked", "uniform"):
+            raise ValueError(f"prior={self.prior!r}; choose 'masked' (the release's 'absorb') or 'uniform'")
+
+    @classmethod
+    def from_model_args(cls, algo=None, prior=None, block_sizes=None, block_weights=None, x0_causal=None,
+                        tokenizer=None) -> "ReleaseOverrides":
+        """lm-eval model args are `key=value` pairs split at commas: lists are written `1:16`, `0.05:0.95`."""
+
+        def numbers(value, kind, name):
+            if value is None:
+                return None
+            try:
+                return tuple(kind(v) for v in str(value).split(":"))
+            except ValueError:
+                raise ValueError(f"{name}={value!r}; write a list as values separated by ':' (e.g. 1:16)") from None
+
+        if prior == "absorb":
+            prior = "masked"
+        return cls(algo, prior, numbers(block_sizes, int, "block_sizes"), numbers(block_weights, float, "block_weights"),
+                   x0_causal, None if tokenizer is None else str(tokenizer))
+
+    def given(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "tokenizer"}
+
+
+def _merge(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str) -> ReleaseSetting:
+    values = asdict(setting)
+    for key, value in overrides.given().items():
+        if values[key] is not None and values[key] != value:
+            shown = {"prior": {"masked": "absorb"}.get(values[key], values[key])}.get(key, values[key])
+            raise ReleaseError(f"{source}: {key}={value} contradicts the release, whose path says {key}={shown}; "
+                               f"drop the override (it is only needed where the path does not say it)")
+        values[key] = value
+    merged = ReleaseSetting(**values)
+    if merged.algo is None:
+        raise ReleaseError(f"{source}: the path does not follow the release layout ({HUB_REPO}: baselines/<data>/<ar|mdlm|duo>, "
+                           f"blockgen/...); give algo= (one of {list(ALGOS)}) and prior=, block_sizes=, block_weights=")
+    if merged.prior is None:
+        merged = replace(merged, prior={"ar": "masked", "mdlm": "masked", "duo": "uniform"}.get(merged.algo))
+    if merged.prior is None:
+        raise ReleaseError(f"{source}: a BlockGen release needs prior= ('masked'/'absorb' or 'uniform')")
+    expected = {"ar": "masked", "mdlm": "masked", "duo": "uniform"}.get(merged.algo)
+    if expected and merged.prior != expected:
+        raise ReleaseError(f"{source}: prior={merged.prior} contradicts algo={merged.algo} (its prior is {expected})")
+    return merged
+
+
+# ------------------------------------------------------------------------------ config and weights
+
+
+def _vocab_rows(weights: dict[str, torch.Tensor], source: str) -> int:
+    if "vocab_embed.embedding" not in weights:
+        raise ReleaseError(f"{source}: {WEIGHTS} has no 'vocab_embed.embedding'; not a release of {HUB_REPO}")
+    return int(weights["vocab_embed.embedding"].shape[0])
+
+
+def release_config(raw: dict, weights: dict[str, torch.Tensor], setting: ReleaseSetting, source: str,
+                   special_tokens: dict | None = None) -> BlockGenConfig:
+    """This project's config of a release: architecture from config.json, vocabulary from the weights,
+    the rest from the (merged) setting; every contradiction is an error that says which."""
+    missing = [k for k in ("type", "hidden_size", "cond_dim", "length", "n_blocks", "n_heads") if k not in raw]
+    if missing:
+        raise ReleaseError(f"{source}/{CONFIG}: missing {missing}; not a release config of {HUB_REPO}")
+    kind, seq_len = raw["type"], int(raw["length"])
+    rows = _vocab_rows(weights, source)
+    has_adaln = any(k.startswith("sigma_map.") for k in weights)
+    algo = setting.algo
+    if kind not in ("block-dit", "dit"):
+        raise ReleaseError(f"{source}/{CONFIG}: type={kind!r}; expected 'block-dit' or 'dit'")
+    if (kind == "block-dit") != (algo == "blockgen"):
+        raise ReleaseError(f"{source}: algo={algo} contradicts config.json type={kind!r} "
+                           f"('block-dit' is BlockGen, 'dit' the AR / MDLM / Duo baselines)")
+    if has_adaln == (algo == "ar"):
+        raise ReleaseError(f"{source}: algo={algo} contradicts the weights: they {'have' if has_adaln else 'lack'} "
+                           f"the adaLN / sigma_map tensors (only the AR baseline has none)")
+    x0_causal = bool(raw.get("x0_causal", True))
+    if algo == "blockgen" and setting.x0_causal is not None and setting.x0_causal != x0_causal:
+        raise ReleaseError(f"{source}: x0_causal={setting.x0_causal} contradicts config.json (x0_causal={x0_causal})")
+    if algo == "blockgen":
+        sizes, weights_ = setting.block_sizes, setting.block_weights
+        if sizes is None:
+            raise ReleaseError(f"{source}: the path does not give the block sizes; pass block_sizes= (e.g. 1:16) and block_weights=")
+        if weights_ is None:
+            if len(sizes) != 1:
+                raise ReleaseError(f"{source}: block_sizes={':'.join(map(str, sizes))} needs block_weights= (e.g. 0.05:0.95)")
+            weights_ = (1.0,)
+        if not x0_causal and 1 in sizes:
+            raise ReleaseError(f"{source}: block size 1 contradicts the weights' block-causal clean stream "
+                               f"(x0_causal=false in config.json: a single-block model)")
+        architecture = "blockgen"
+    elif algo == "ar":
+        sizes, weights_, architecture = (1,), (1.0,), "ar"
+    else:
+        sizes, weights_, architecture = (seq_len,), (1.0,), "full_sequence"
+    if algo != "blockgen" and setting.block_sizes is not None and tuple(setting.block_sizes) != sizes:
+        raise ReleaseError(f"{source}: block_sizes={setting.block_sizes} contradicts algo={algo} (block sizes {sizes})")
+    vocab = rows - 1 if setting.prior == "masked" else rows
+    try:
+        return BlockGenConfig(
+            vocab_size=vocab, seq_len=seq_len, prior=setting.prior, block_sizes=tuple(sizes),
+            block_weights=tuple(weights_), n_layers=int(raw["n_blocks"]), d_model=int(raw["hidden_size"]),
+            n_heads=int(raw["n_heads"]), cond_dim=int(raw["cond_dim"]), dropout=float(raw.get("dropout", 0.1)),
+            causal_clean=x0_causal if algo == "blockgen" else True,
+            # flex or sdpa: only the kernel differs (the README of the release format); SDPA runs everywhere
+            attention="sdpa", special_tokens=special_tokens or {}, architecture=architecture, adaln=algo != "ar",
+            time_conditioning=algo == "duo", cond_silu=True,
+            ar_placeholder="random" if algo == "blockgen" and setting.prior == "uniform" else "fixed",
+        )
+    except ValueError as err:
+        raise ReleaseError(f"{source}: {err}") from None
+
+
+_RENAMES = [  # (authors' key pattern, this project's), applied in order
+    (r"^vocab_embed\.embedding$", "dit.embed.weight"),
+    (r"^sigma_map\.mlp\.(\d)\.(weight|bias)$", r"dit.time.mlp.\1.\2"),
+    (r"^blocks\.(\d+)\.attn_qkv\.weight$", r"dit.blocks.\1.attn.qkv.weight"),
+    (r"^blocks\.(\d+)\.attn_out\.weight$", r"dit.blocks.\1.attn.out.weight"),
+    (r"^blocks\.(\d+)\.adaLN_modulation\.(weight|bias)$", r"dit.blocks.\1.adaLN.\2"),
+    (r"^blocks\.(\d+)\.(norm1|norm2)\.weight$", r"dit.blocks.\1.\2.weight"),
+    (r"^blocks\.(\d+)\.mlp\.(0|2)\.(weight|bias)$", r"dit.blocks.\1.mlp.\2.\3"),
+    (r"^output_layer\.norm_final\.weight$", "dit.final.norm.weight"),
+    (r"^output_layer\.linear\.(weight|bias)$", r"dit.final.linear.\1"),
+    (r"^output_layer\.adaLN_modulation\.(weight|bias)$", r"dit.final.adaLN.\1"),
+]
+
+
+def map_weights(weights: dict[str, torch.Tensor], head_dim: int, source: str) -> dict[str, torch.Tensor]:
+    """The authors' state dict in this project's names (float32). `rotary_emb.inv_freq` is optional in
+    the release (strict loading off); when present it must be the base-10000 table both networks compute."""
+    out = {}
+    for key, value in weights.items():
+        if key == "rotary_emb.inv_freq":
+            want = 1.0 / 10_000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+            if value.shape != want.shape or not torch.allclose(value.float(), want, rtol=1e-6, atol=0):
+                raise ReleaseError(f"{source}: rotary_emb.inv_freq is not the base-10000 table of head_dim {head_dim}")
+            continue
+        for pattern, target in _RENAMES:
+            if re.match(pattern, key):
+                out[re.sub(pattern, target, key)] = value.float()
+                break
+        else:
+            raise ReleaseError(f"{source}: unexpected tensor {key!r} in {WEIGHTS}")
+    return out
+
+
+# ------------------------------------------------------------------------------ where a release lives
+
+
+def is_release_spec(pretrained: str | Path) -> bool:
+    """`hf:...`, or a local folder whose config.json is the authors' (a `type`, no `model_type`)."""
+    text = str(pretrained)
+    if text.startswith(HF_PREFIX):
+        return True
+    path = Path(text) / CONFIG
+    if not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and "model_type" not in raw and raw.get("type") in ("block-dit", "dit")
+
+
+def split_hf(spec: str) -> tuple[str, str]:
+    """`hf:owner/name/<subfolder>` -> (repo, subfolder)."""
+    parts = spec[len(HF_PREFIX):].strip("/").split("/")
+    if len(parts) < 3:
+        raise ReleaseError(f"{spec}: expected hf:{HUB_REPO}/<subfolder>, e.g. hf:{HUB_REPO}/blockgen/multi_block_size/16/owt/0.05_0.95/absorb")
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def offline_message(spec: str, subfolder: str, repo: str = HUB_REPO) -> str:
+    return (f"could not fetch {spec} ({repo}, subfolder {subfolder}). With a local copy, run offline: "
+            f"`huggingface-cli download {repo} --include '{subfolder}/*' --local-dir DIR`, then either "
+            f"pretrained=DIR/{subfolder} or {LOCAL_DIR_ENV}=DIR HF_HUB_OFFLINE=1 with pretrained={spec}. "
+            f"Without the hub: {OFFLINE_HINT}")
+
+
+def locate(pretrained: str | Path) -> tuple[Path, str]:
+    """(local folder holding config.json and model.safetensors, source as recorded in results)."""
+    text = str(pretrained)
+    if not text.startswith(HF_PREFIX):
+        folder = Path(text)
+        for name in (CONFIG, WEIGHTS):
+            if not (folder / name).is_file():
+                raise ReleaseError(f"{folder}: no {name}; a release folder holds {CONFIG} and {WEIGHTS}")
+        return folder, str(folder.resolve())
+    repo, subfolder = split_hf(text)
+    local = os.environ.get(LOCAL_DIR_ENV)
+    if local and all((Path(local) / subfolder / n).is_file() for n in (CONFIG, WEIGHTS)):
+        return Path(local) / subfolder, text
+    try:
+        from huggingface_hub import hf_hub_download
+
+        paths = [hf_hub_download(repo, name, subfolder=subfolder) for name in (CONFIG, WEIGHTS)]
+    except Exception as err:  # offline, DNS, 404, a missing cache entry under HF_HUB_OFFLINE=1
+        raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__}: {err})") from err
+    return Path(paths[0]).parent, text
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+def release_tokenizer(name: str, rows: int, prior: str, source: str):
+    """The setting's tokenizer as the authors prepare it: `[PAD]` added when there is none; then
+    V = len(tokenizer) (+1 for the [MASK] row of absorb / mdlm / ar) must be the embedding's rows."""
+    from blockgen.harness.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(name)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    want = len(tokenizer) + (prior == "masked")
+    if want != rows:
+        hint = ""
+        if rows == len(tokenizer) + (prior != "masked"):
+            other = "uniform" if prior == "masked" else "masked"
+            hint = f"; the rows fit prior={other} instead"
+        raise ReleaseError(f"{source}: tokenizer {name} has {len(tokenizer)} tokens, so prior={prior} needs "
+                           f"{want} embedding rows, but the weights have {rows}{hint}")
+    return tokenizer
+
+
+# ------------------------------------------------------------------------------ import (convert once)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "blockgen" / "released")
+
+
+def _file_id(path: Path) -> list:
+    real = path.resolve()
+    stat = real.stat()
+    return [str(real), stat.st_size, stat.st_mtime_ns]
+
+
+def import_release(pretrained: str | Path, overrides: ReleaseOverrides = ReleaseOverrides(), out_dir: str | Path | None = None) -> Path:
+    """Convert a release once into a checkpoint directory of this project (cached; returns its path).
+
+    `out_dir` None: a folder under `cache_root()` keyed by the release files, the setting and the
+    tokenizer, reused when it exists. The source is recorded under config.json's `training.source`.
+    """
+    from safetensors.torch import load_file
+
+    from blockgen.harness.tokenizer import special_tokens
+
+    folder, source = locate(pretrained)
+    try:
+        raw = json.loads((folder / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ReleaseError(f"{folder / CONFIG} could not be read: {err}") from err
+    setting = _merge(parse_release_path(str(pretrained)[len(HF_PREFIX):] if str(pretrained).startswith(HF_PREFIX) else folder),
+                     overrides, source)
+    tokenizer_name = overrides.tokenizer or setting.tokenizer
+    if tokenizer_name is None:
+        raise ReleaseError(f"{source}: the path names no dataset with a known tokenizer ({sorted(DATASETS)}); "
+                           f"pass tokenizer=<directory or hub name>")
+    key = hashlib.sha256(json.dumps([_file_id(folder / CONFIG), _file_id(folder / WEIGHTS), asdict(setting), source,
+                                     _tokenizer_id(tokenizer_name)]).encode()).hexdigest()[:20]
+    target = Path(out_dir) if out_dir is not None else cache_root() / key
+    if out_dir is None and (target / CONFIG).is_file() and (target / WEIGHTS).is_file():
+        return target
+    weights = load_file(str(folder / WEIGHTS))
+    rows = _vocab_rows(weights, source)
+    tokenizer = release_tokenizer(tokenizer_name, rows, setting.prior, source)
+    config = release_config(raw, weights, setting, source, special_tokens(tokenizer).to_dict())
+    state = map_weights(weights, config.d_model // config.n_heads, source)
+    model = BlockGen(config)
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    shapes = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+    if missing or unexpected or shapes:
+        raise ReleaseError(f"{source}: the weights do not fit config.json and the setting ({setting.algo}, prior "
+                           f"{setting.prior}): missing={missing[:4]} unexpected={unexpected[:4]} shapes={shapes[:4]}")
+    model.load_state_dict(state)
+    extra = {"source": source, "release": {**asdict(setting), "tokenizer": tokenizer_name, "config": raw}}
+    if out_dir is not None:
+        return save_checkpoint(target, model, tokenizer, extra=extra)
+    # Several processes (torchrun ranks) may import the same release at once: each writes its own
+    # folder and the first rename wins; the others' identical copies are dropped.
+    mine = save_checkpoint(target.with_name(f"{target.name}.{os.getpid()}"), model, tokenizer, extra=extra)
+    try:
+        os.rename(mine, target)
+    except OSError:
+        shutil.rmtree(mine, ignore_errors=True)
+    return target
+
+
+def _tokenizer_id(name: str) -> str:
+    """A local tokenizer folder's content identifies it (a hub name identifies itself)."""
+    path = Path(name)
+    if not path.is_dir():
+        return name
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(file.name.encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+def resolve(pretrained: str | Path, overrides: ReleaseOverrides = ReleaseOverrides()) -> Path:
+    """The checkpoint directory to load for `pretrained`: a release is imported (once), a checkpoint of
+    this project is returned as it is (release overrides on it are an error)."""
+    if is_release_spec(pretrained):
+        return import_release(pretrained, overrides)
+    given = overrides.given()
+    if given or overrides.tokenizer:
+        names = sorted([*given, *(["tokenizer"] if overrides.tokenizer else [])])
+        raise ReleaseError(f"pretrained={pretrained} is a checkpoint of this project: {names} apply to released "
+                           f"checkpoints only (hf:{HUB_REPO}/<subfolder> or a release folder)")
+    return Path(pretrained)
+
+
+def resolve_model_args(model_args: dict) -> Path:
+    """`resolve` from lm-eval's model args (what tasks receive as metadata): `pretrained` and the
+    release overrides (tokenizer, algo, prior, block_sizes, block_weights, x0_causal); other keys ignored."""
+    keys = ("algo", "prior", "block_sizes", "block_weights", "x0_causal", "tokenizer")
+    overrides = ReleaseOverrides.from_model_args(**{k: model_args.get(k) for k in keys})
+    return resolve(model_args["pretrained"], overrides)
+
+
+def resolve_with_tokenizer(pretrained: str | Path, tokenizer) -> Path:
+    """`resolve` for a caller that holds a tokenizer (training's `init_from`): a release whose path
+    names no tokenizer is read with this one."""
+    if not is_release_spec(pretrained):
+        return Path(pretrained)
+    text = str(pretrained)
+    setting = parse_release_path(text[len(HF_PREFIX):] if text.startswith(HF_PREFIX) else text)
+    if setting.tokenizer is not None:
+        return import_release(pretrained)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return import_release(pretrained, ReleaseOverrides(tokenizer=folder))
+
+
+def release_source(checkpoint: str | Path) -> str | None:
+    """The release a converted checkpoint came from (config.json `training.source`), else None."""
+    try:
+        return json.loads((Path(checkpoint) / CONFIG).read_text())["training"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ------------------------------------------------------------------------------ the paper's tables
+
+
+def _blockgen(block: int, data: str, prior: str, weights: str | None = None) -> str:
+    if weights is None:
+        return f"blockgen/single_block_size/{block}/{data}/{prior}"
+    return f"blockgen/multi_block_size/{block}/{data}/{weights}/{prior}"
+
+
+# The released subfolder of each model of the paper's tables, under this project's model names (the
+# training presets `<benchmark>-<variant>` of harness/train.py and the rows of leaderboards/paper.json).
+# Mixtures without a preset of their own are named by their gamma_1 (`-g0.01`).
+RELEASES: dict[str, str] = {
+    **{f"{d}-{algo}": f"baselines/{d}/{algo}" for d in ("owt", "tinygsm") for algo in ("ar", "mdlm", "duo")},
+    **{f"owt-{p}-16": _blockgen(16, "owt", r) for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+    **{f"owt-{p}-mix": _blockgen(16, "owt", r, "0.05_0.95") for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+    **{f"owt-{p}-mix-flat": _blockgen(16, "owt", r, "uniform") for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+    **{f"tinygsm-{p}-{b}": _blockgen(b, "tinygsm", r) for p, r in (("masked", "absorb"), ("uniform", "uniform")) for b in (16, 32)},
+    **{f"tinygsm-{p}-mix": _blockgen(16, "tinygsm", r, "0.05_0.95") for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+    **{f"tinygsm-{p}-mix32": _blockgen(32, "tinygsm", r, "0.05_0.95") for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+    **{f"tinygsm-{p}-mix-g{g}": _blockgen(16, "tinygsm", r, w) for p, r in (("masked", "absorb"), ("uniform", "uniform"))
+       for g, w in (("0.01", "0.01_0.99"), ("0.1", "0.1_0.9"))},
+    **{f"tinygsm-{p}-mix32-g0.01": _blockgen(32, "tinygsm", r, "0.01_0.99") for p, r in (("masked", "absorb"), ("uniform", "uniform"))},
+}
+
+
+def release_spec(name: str) -> str:
+    if name not in RELEASES:
+        raise ValueError(f"no released checkpoint named {name!r}; choose one of {sorted(RELEASES)}")
+    return f"{HF_PREFIX}{HUB_REPO}/{RELEASES[name]}"
+
+
+def check_on_hub(names: list[str]) -> None:
+    """Raise HubUnavailableError unless the hub (or $BLOCKGEN_RELEASE_DIR) has every named release's two files."""
+    local = os.environ.get(LOCAL_DIR_ENV)
+    wanted = [(name, RELEASES[name]) for name in names if release_spec(name)]
+    if local:
+        wanted = [(n, sub) for n, sub in wanted if not all((Path(local) / sub / f).is_file() for f in (CONFIG, WEIGHTS))]
+    if not wanted:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise HubUnavailableError(f"HF_HUB_OFFLINE is set and {LOCAL_DIR_ENV} lacks {[n for n, _ in wanted]}")
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    for name, sub in wanted:
+        for file in (CONFIG, WEIGHTS):
+            try:
+                found = api.file_exists(HUB_REPO, f"{sub}/{file}")
+            except Exception as err:  # network errors, DNS: cannot use it from here
+                raise HubUnavailableError(offline_message(release_spec(name), sub)) from err
+            if not found:
+                raise HubUnavailableError(f"{HUB_REPO} has no {sub}/{file} (model {name})")
+
+
+# Cost model, derived (no GPU was lent to this work): REFERENCE.md's H200 measurements of the paper-size
+# network (bf16, SDPA, L = 1,024, batch 8): 0.094 s per BlockGen training step over [x0 ; xt] (2L
+# tokens) and 0.057 s per plain AR step (L tokens). A forward pass is taken as a third of a training
+# step (the backward costs about two forwards); time scales with tokens (attention's L^2 ignored).
+H200_TRAIN_STEP_S = {"two_stream": 0.094, "one_stream": 0.057}
+H200_STEP_BATCH, H200_STEP_LEN = 8, 1024
+# OWT's held-out split: the last 100,000 of 8,013,769 documents, ~9e9 GPT-2 tokens in all (~1,120 per
+# document) -> ~1.1e8 tokens = ~110,000 chunks of 1,024 (approximate).
+OWT_PPL_SEQUENCES = 110_000
+GENPPL_SAMPLES, GSM8K_PROBLEMS = 1024, 1319  # the paper's Gen PPL samples; GSM8K's test set
+SCORER_PARAMS_RATIO = 774 / 170  # GPT-2 Large scores owt_genppl samples: its forward vs the 170M network's
+
+
+def forward_seconds(stream: str, tokens: float) -> float:
+    """Seconds of one forward pass over `tokens` tokens (of one sequence) on an H200 (derived)."""
+    per_token = H200_TRAIN_STEP_S[stream] / 3 / (H200_STEP_BATCH * H200_STEP_LEN * (2 if stream == "two_stream" else 1))
+    return per_token * tokens
+
+
+def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> tuple[float, str]:
+    """(H200-seconds, what was counted) of one setting: `run` is sampler:steps:ge:warmup or 'likelihood'.
+    Generation also reports its batched model calls (`batch` rows per call), whose latency the
+    FLOP count does not see."""
+    from blockgen.models.sampling import SamplerConfig, calls_per_block
+
+    setting = parse_release_path(RELEASES[name])
+    seq_len = DATASETS[setting.dataset].seq_len
+    sizes = setting.block_sizes or ((1,) if setting.algo == "ar" else (seq_len,))
+    two_stream = setting.algo == "blockgen"
+    stream = "two_stream" if two_stream else "one_stream"
+    if run == "likelihood":
+        n = limit or OWT_PPL_SEQUENCES
+        passes = sum(1 if s == 1 else k_mc for s in sizes) if setting.algo != "ar" else 1
+        tokens = seq_len * (2 if two_stream else 1)
+        return n * passes * forward_seconds(stream, tokens), f"{n} sequences x {passes} passes"
+    sampler, steps, ge, warmup = run.split(":")
+    steps, ge, warmup = int(steps), int(ge), int(warmup)
+    if task.startswith("gsm8k"):
+        n, new_tokens, scorer = limit or GSM8K_PROBLEMS, 256, 0.0
+    else:
+        n, new_tokens = limit or GENPPL_SAMPLES, seq_len
+        scorer = n * SCORER_PARAMS_RATIO * forward_seconds("one_stream", seq_len)
+    if sampler in ("ar_greedy", "ar_sample"):  # one token per call, cached: about one forward per sample
+        gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
+        return gen + scorer, f"{n} x {new_tokens} tokens, one per call; {-(-n // batch) * new_tokens} batched calls"
+    block = seq_len if setting.algo in ("mdlm", "duo") else max(sizes)
+    config = SamplerConfig(name=sampler, steps=steps, ge=ge, warmup=warmup, block_size=block)
+    calls = calls_per_block(config, block) * -(-new_tokens // block)
+    per_call = forward_seconds(stream, (2 * block) if two_stream else block)  # a block and the committed one
+    return n * calls * per_call + scorer, f"{n} x {calls} calls of {block}-token blocks; {-(-n // batch) * calls} batched calls"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`blockgen released names|check|plan` and `blockgen import` (see the README section)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="blockgen released", description="The paper's released checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("names", help="print name=subfolder for every release (the Makefile reads it)")
+    check = sub.add_parser("check", help="exit 1 unless the hub (or $%s) has these releases" % LOCAL_DIR_ENV)
+    check.add_argument("names", nargs="+")
+    check.add_argument("--hint", default="")
+    plan = sub.add_parser("plan", help="dry run: one line per setting with its derived H200-hours, and the total")
+    plan.add_argument("settings", nargs="*", help="name|task|sampler:steps:ge:warmup|temperature or name|task|likelihood|-")
+    plan.add_argument("--k-mc", type=int, default=8)
+    plan.add_argument("--limit", type=int, default=None)
+    plan.add_argument("--batch", type=int, default=32, help="rows per generation call (EVAL_BATCH)")
+    imp = sub.add_parser("import", help="convert releases once into checkpoint folders (prints each folder)")
+    imp.add_argument("specs", nargs="+", help="hf:jdeschena/blockgen/<subfolder>, a release folder, or a name of `names`")
+    imp.add_argument("--tokenizer", default=None)
+    imp.add_argument("--out-dir", default=None, help="one spec only: write the checkpoint here instead of the cache")
+    args = parser.parse_args(argv)
+    if args.command == "names":
+        print(" ".join(f"{name}={sub_}" for name, sub_ in RELEASES.items()))
+        return 0
+    if args.command == "check":
+        try:
+            check_on_hub(args.names)
+        except (HubUnavailableError, ValueError) as err:
+            print(f"blockgen: the released checkpoints are needed here and unavailable: {err}\n{args.hint}", file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "plan":
+        total = 0.0
+        print("# derived H200-hours: forward = 1/3 of REFERENCE.md's 0.094 s (BlockGen) / 0.057 s (AR) training step at batch 8 x 1,024; "
+              "generation counted FLOP-proportionally (a lower bound)")
+        for item in args.settings:
+            name, task, run, temperature = item.split("|")
+            seconds, what = plan_cost(name, task, run, args.k_mc, args.limit, args.batch)
+            total += seconds
+            print(f"{release_spec(name)}  {task}  {run}  T={temperature}  {seconds / 3600:.3f} H200-h  ({what})")
+        print(f"total: {len(args.settings)} settings, {total / 3600:.1f} H200-hours (derived)")
+        return 0
+    if args.out_dir and len(args.specs) != 1:
+        parser.error("--out-dir takes one spec")
+    for spec in args.specs:
+        spec = release_spec(spec) if spec in RELEASES else spec
+        print(import_release(spec, ReleaseOverrides(tokenizer=args.tokenizer), args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
