@@ -3,19 +3,27 @@
 Sources (`DataConfig.source`):
 - "embedded": procedurally generated TinyGSM-style word problems (offline default) and a byte-level
   BPE trained on them locally;
-- "tinygsm": the hub dataset TinyGSM/TinyGSM (fields `question`, `code`), or local JSON/JSONL
-  files of the same schema (`path`);
-- "owt": OpenWebText (`text`), documents joined with EOS and cut into `seq_len` chunks, the last
-  100k documents held out for validation; or local files of the same schema;
+- "tinygsm": the hub dataset TinyGSM/TinyGSM (fields `question`, `code`), or local JSON/JSONL/parquet
+  files of the same schema (`path`); a random 1 % (seed 42) is held out, as the authors' scripts do;
+- "owt": OpenWebText (`text`), read from the hub's parquet export (`hub_name`, `hub_revision`; a
+  local folder laid out as that export works too) or local files (`path`); the last 100k documents
+  of the train split are held out;
 - "text": offline English text every Python has, the documentation topics of `pydoc_data.topics`
   (or local files, `path`), laid out as OWT; a document is held out when a stable hash of its text
   says so (one in ten), so the split does not depend on file order.
+
+Document sources ("owt", "text") are framed as the authors' (MDLM's wrapping): documents tokenized
+with EOS appended, concatenated per batch of 1,000 documents, cut into (L - 2)-token pieces, each
+framed BOS + piece + EOS; each batch's remainder is dropped (`frame_documents`).
 
 `document_split` is the one definition of the document sources' train / held-out split: training's
 validation and the `owt_ppl` / `owt_genppl` tasks both read it.
 
 Word problems become `[BOS] question SEP code [EOS] PAD...`: no loss on the question, which also
-stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling time.
+stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling time; loss on the
+padding only with `train_on_pad` (the authors' TinyGSM runs; the embedded default leaves it off).
+
+Preparing a source into the memory-mapped cache that training reads is `blockgen.harness.prepare`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,75 +40,150 @@ from typing import Any, Iterable, Iterator, Literal
 import numpy as np
 import torch
 
-from blockgen.harness.hub import hub_call
+from blockgen.harness.hub import HubUnavailableError, hub_call
 from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
 from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY, difficulty
 
 SOURCES = ("embedded", "tinygsm", "owt", "text")
-DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into chunks
+DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into framed chunks
 OWT_VALIDATION_DOCS = 100_000
 TEXT_HELD_OUT_ONE_IN = 10  # "text": a document is held out when its hash is 0 modulo this
+# TinyGSM's held-out split, as the authors' scripts: a random 1 % of the train split, seed 42, drawn as
+# `datasets.Dataset.train_test_split(test_size=0.01, seed=42)` draws it.
+TINYGSM_HELD_OUT_FRACTION = 0.01
+TINYGSM_SPLIT_SEED = 42
+# Where the hub sources live. OWT's main branch shipped a loading script, which datasets >= 4 refuses;
+# the hub's automatic parquet export of the same train split (config `plain_text`, files
+# `plain_text/train/NNNN.parquet`) loads with any datasets version.
+HUB_DATASETS = {"owt": ("Skylion007/openwebtext", "refs/convert/parquet"), "tinygsm": ("TinyGSM/TinyGSM", None)}
+DOCUMENTS_PER_BATCH = 1_000  # the authors' map batch: each batch's remainder is dropped
+OFFLINE_PATHS = (
+    "Offline, run the same pipeline at small scale (make train-owt / train-tinygsm OFFLINE=1: offline text "
+    "and word problems), or point --data.hub-name at a local copy of the dataset's parquet export, or "
+    "--data.path at local files of the same schema."
+)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["embedded", "tinygsm", "owt", "text"] = "embedded"
     tokenizer: str = "embedded"  # "embedded" (train a BPE on the source locally), a local directory or a hub name
-    path: str | None = None  # local files instead of the hub (JSON/JSONL with the hub schema; "text": also plain text)
+    path: str | None = None  # local files instead of the hub (JSON/JSONL/parquet with the hub schema; "text": also plain text)
+    hub_name: str | None = None  # hub dataset (or a local folder laid out as its parquet export); None: HUB_DATASETS
+    hub_revision: str | None = None  # branch, tag or commit of hub_name; None: HUB_DATASETS' (OWT: the parquet export)
+    train_on_pad: bool = False  # word problems: loss on the padding too (the authors' TinyGSM runs)
     n_train: int = 50_000  # embedded: number of generated training problems
     difficulty: str = DEFAULT_DIFFICULTY  # embedded: the generator's level (wordproblems.DIFFICULTIES)
     n_val: int = 256  # validation examples
     vocab_size: int = 1024  # embedded BPE vocabulary
     seed: int = 0
-    cache_dir: str = "runs/data"  # where the embedded tokenizer and data are kept
+    cache_dir: str = "runs/data"  # where the embedded tokenizer and the prepared data are kept
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"unknown data source {self.source!r}; choose one of {list(SOURCES)}")
         difficulty(self.difficulty)  # a clear error now rather than at data generation
 
+    def hub_dataset(self) -> tuple[str, str | None]:
+        """(name, revision) of the hub dataset this source reads when `path` is not given."""
+        if self.source not in HUB_DATASETS:
+            raise ValueError(f"source {self.source!r} reads no hub dataset; hub sources: {sorted(HUB_DATASETS)}")
+        name, revision = HUB_DATASETS[self.source]
+        if self.hub_name is not None and self.hub_name != name:
+            return self.hub_name, self.hub_revision  # another repository or a local mirror: its own revision
+        return name, self.hub_revision if self.hub_revision is not None else revision
+
 
 @dataclass(frozen=True)
 class Examples:
-    """Fixed-length examples: tokens (N, L); loss_mask and condition_mask (N, L) bool.
+    """Fixed-length examples: tokens (N, L); per example, the prompt length and the loss length.
 
-    `tokens` is int64, or int32 when it is a memory-mapped token cache (`chunk_documents` with a
-    cache file); indexing always returns int64 tokens, which is what the model takes.
+    Position p of example i is prompt (clean in the noisy stream, no loss) when p < prompt_len[i], and
+    carries loss when prompt_len[i] <= p < loss_len[i]. The (N, L) masks are computed on access, so an
+    OWT- or TinyGSM-sized set never holds them. `tokens` is int64, or int32 when memory-mapped from a
+    prepared cache; indexing always returns int64 tokens, which is what the model takes.
     """
 
     tokens: torch.Tensor
-    loss_mask: torch.Tensor
-    condition_mask: torch.Tensor
+    prompt_len: torch.Tensor
+    loss_len: torch.Tensor
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def __getitem__(self, idx) -> "Examples":
-        return Examples(self.tokens[idx].long(), self.loss_mask[idx], self.condition_mask[idx])
+        return Examples(self.tokens[idx].long(), self.prompt_len[idx], self.loss_len[idx])
+
+    def _positions(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[-1])
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        pos = self._positions()
+        return (pos >= self.prompt_len[..., None]) & (pos < self.loss_len[..., None])
+
+    @property
+    def condition_mask(self) -> torch.Tensor:
+        return self._positions() < self.prompt_len[..., None]
+
+    @staticmethod
+    def documents(tokens: torch.Tensor) -> "Examples":
+        """Document chunks: no prompt, loss everywhere (views of one element: no (N,) arrays)."""
+        n, length = tokens.shape
+        return Examples(tokens, torch.zeros((), dtype=torch.int32).expand(n), torch.full((), length, dtype=torch.int32).expand(n))
+
+
+@dataclass(frozen=True)
+class ProblemBatch:
+    """Encoded word problems: rows (k, L) int32, prompt and content lengths (k,), and how many were dropped."""
+
+    rows: np.ndarray
+    prompt_len: np.ndarray
+    length: np.ndarray
+    dropped: int
+
+
+def token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of a batch of texts, no special tokens: the same ids as `tokenizer(texts)`, from the
+    backend's batch encoder without offsets (about a third faster on this machine)."""
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:  # a tokenizer file that sets them
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    return [e.ids for e in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+
+def encode_problem_batch(questions: Sequence[str], codes: Sequence[str], tokenizer, special: SpecialTokens, seq_len: int) -> ProblemBatch:
+    """`[BOS] question SEP code [EOS] PAD...` for a batch; examples longer than seq_len are dropped (the authors' too)."""
+    qs, cs = token_ids(tokenizer, questions), token_ids(tokenizer, codes)
+    rows = np.full((len(qs), seq_len), special.pad, dtype=np.int32)
+    prompt_len = np.empty(len(qs), dtype=np.int32)
+    length = np.empty(len(qs), dtype=np.int32)
+    kept = 0
+    for q, c in zip(qs, cs):
+        ids = [special.bos, *q, *special.sep, *c, special.eos]
+        if len(ids) > seq_len:
+            continue
+        rows[kept, : len(ids)] = ids
+        prompt_len[kept] = 1 + len(q) + len(special.sep)
+        length[kept] = len(ids)
+        kept += 1
+    return ProblemBatch(rows[:kept], prompt_len[:kept], length[:kept], len(qs) - kept)
+
+
+def problem_examples(batch: ProblemBatch, train_on_pad: bool) -> Examples:
+    loss_len = np.full_like(batch.length, batch.rows.shape[1]) if train_on_pad else batch.length
+    return Examples(torch.from_numpy(batch.rows).long(), torch.from_numpy(batch.prompt_len), torch.from_numpy(loss_len))
 
 
 def encode_problems(
-    records: Iterable[dict], tokenizer, special: SpecialTokens, seq_len: int
+    records: Iterable[dict], tokenizer, special: SpecialTokens, seq_len: int, train_on_pad: bool = False
 ) -> tuple[Examples, int]:
-    """TinyGSM records -> examples; returns (examples, number dropped for being longer than seq_len)."""
+    """TinyGSM records -> examples in memory; returns (examples, number dropped for being longer than seq_len)."""
     records = list(records)
-    questions = tokenizer([r["question"] for r in records], add_special_tokens=False)["input_ids"]
-    codes = tokenizer([r["code"] for r in records], add_special_tokens=False)["input_ids"]
-    rows, loss, cond, dropped = [], [], [], 0
-    for q, c in zip(questions, codes):
-        prompt = [special.bos, *q, *special.sep]
-        ids = prompt + c + [special.eos]
-        if len(ids) > seq_len:
-            dropped += 1
-            continue
-        pad = seq_len - len(ids)
-        rows.append(ids + [special.pad] * pad)
-        loss.append([False] * len(prompt) + [True] * (len(c) + 1) + [False] * pad)
-        cond.append([True] * len(prompt) + [False] * (seq_len - len(prompt)))
-    if not rows:
+    batch = encode_problem_batch([r["question"] for r in records], [r["code"] for r in records], tokenizer, special, seq_len)
+    if not len(batch.rows):
         raise ValueError(f"no example fits in seq_len={seq_len}")
-    as_tensor = torch.tensor
-    return Examples(as_tensor(rows), as_tensor(loss), as_tensor(cond)), dropped
+    return problem_examples(batch, train_on_pad), batch.dropped
 
 
 def encode_prompt(question: str, tokenizer, special: SpecialTokens) -> list[int]:
@@ -108,91 +191,71 @@ def encode_prompt(question: str, tokenizer, special: SpecialTokens) -> list[int]
     return [special.bos, *tokenizer.encode(question, add_special_tokens=False), *special.sep]
 
 
-DOCUMENTS_PER_BATCH = 10_000  # documents tokenized per call (the fast tokenizer parallelises a batch)
+def frame_documents(texts: Sequence[str], tokenizer, special: SpecialTokens, seq_len: int) -> np.ndarray:
+    """One batch of documents -> (k, seq_len) int32 chunks: each document's tokens and EOS, concatenated,
+    cut into (seq_len - 2)-token pieces framed BOS + piece + EOS; the batch's remainder is dropped."""
+    if seq_len < 3:
+        raise ValueError(f"seq_len={seq_len}: a framed chunk needs BOS, at least one token and EOS")
+    ids = token_ids(tokenizer, texts)
+    stream = np.empty(sum(len(d) + 1 for d in ids), dtype=np.int32)
+    at = 0
+    for d in ids:
+        stream[at : at + len(d)] = d
+        stream[at + len(d)] = special.eos
+        at += len(d) + 1
+    piece = seq_len - 2
+    k = len(stream) // piece
+    rows = np.empty((k, seq_len), dtype=np.int32)
+    rows[:, 0], rows[:, -1] = special.bos, special.eos
+    rows[:, 1:-1] = stream[: k * piece].reshape(k, piece)
+    return rows
 
 
-def _token_batches(texts: Sequence[str], tokenizer, eos: int) -> Iterator[np.ndarray]:
-    """The token stream of the documents, each followed by EOS, in int32 pieces of a batch of documents."""
+def document_batches(texts: Sequence[str]) -> Iterator[Sequence[str]]:
+    """The documents in the authors' map batches (DOCUMENTS_PER_BATCH, from the split's first document)."""
     for start in range(0, len(texts), DOCUMENTS_PER_BATCH):
-        ids = tokenizer(list(texts[start : start + DOCUMENTS_PER_BATCH]), add_special_tokens=False)["input_ids"]
-        piece = np.empty(sum(len(d) + 1 for d in ids), dtype=np.int32)
-        at = 0
-        for d in ids:
-            piece[at : at + len(d)] = d
-            piece[at + len(d)] = eos
-            at += len(d) + 1
-        yield piece
+        yield texts[start : start + DOCUMENTS_PER_BATCH]
 
 
-def _write_token_cache(pieces: Iterator[np.ndarray], cache: Path) -> None:
-    """Write the stream to `cache` piece by piece; the file appears (atomically) only when complete."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        for piece in pieces:
-            f.write(piece.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, cache)
+def chunk_documents(texts: Sequence[str], tokenizer, special: SpecialTokens, seq_len: int) -> Examples:
+    """Documents -> framed chunks in memory (`frame_documents` per batch): the held-out text of the
+    tasks and the scorer. Training reads the same chunks from its prepared cache."""
+    pieces = [frame_documents(batch, tokenizer, special, seq_len) for batch in document_batches(texts)]
+    rows = np.concatenate(pieces) if pieces else np.empty((0, seq_len), dtype=np.int32)
+    if len(rows) == 0:
+        raise ValueError(f"the documents hold fewer tokens than one chunk of seq_len={seq_len} per batch of {DOCUMENTS_PER_BATCH}")
+    return Examples.documents(torch.from_numpy(rows).long())
 
 
-def chunk_documents(texts: Sequence[str], tokenizer, special: SpecialTokens, seq_len: int, cache: str | Path | None = None) -> Examples:
-    """OWT layout: documents joined with EOS and cut into seq_len chunks (the remainder dropped).
+def _embedded_tokenizer_texts(config: DataConfig) -> tuple[str, list[str]]:
+    if config.source == "embedded":
+        from blockgen.harness.wordproblems import generate
 
-    Documents are tokenized a batch at a time. With `cache` (a file path) the token stream goes to
-    that file as it is made and is then memory-mapped, so a corpus larger than memory (OWT: about 9B
-    tokens) never sits in RAM; an existing cache file is reused without tokenizing again.
-    """
-    if cache is None:
-        pieces = list(_token_batches(texts, tokenizer, special.eos))
-        stream = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int32)
-    else:
-        cache = Path(cache)
-        if not cache.is_file():
-            _write_token_cache(_token_batches(texts, tokenizer, special.eos), cache)
-        stream = np.memmap(cache, dtype=np.int32, mode="c")  # copy-on-write: a writable view, read lazily
-    n = len(stream) // seq_len
-    if n == 0:
-        raise ValueError(f"the documents hold {len(stream)} tokens, fewer than seq_len={seq_len}")
-    tokens = torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len))
-    if cache is None:
-        tokens = tokens.long()
-    # Views of one element: no (N, L) masks in memory for an OWT-sized corpus.
-    loss_mask = torch.ones((), dtype=torch.bool).expand(n, seq_len)
-    return Examples(tokens, loss_mask, torch.zeros((), dtype=torch.bool).expand(n, seq_len))
+        problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
+        return f"{config.source}-{config.difficulty}", [p.question for p in problems] + [p.code for p in problems]
+    if config.source not in DOCUMENT_SOURCES:
+        raise ValueError(f"tokenizer='embedded' trains on the embedded word problems or a document source "
+                         f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
+    return config.source, list(document_split(config)[0])
 
 
-def token_cache_path(config: "DataConfig", tokenizer, split: str) -> Path:
-    """Where a document source's token stream is cached: keyed by the tokenizer, the data and `split`
-    (the stream does not depend on seq_len, so one cache serves every model length)."""
-    key = json.dumps([tokenizer.backend_tokenizer.to_str(), config.source, config.path, split])
-    return Path(config.cache_dir) / f"tokens-{config.source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.int32"
+def embedded_tokenizer_dir(config: DataConfig) -> tuple[Path, list[str]]:
+    """Where the embedded tokenizer of `config` is kept, and the text it trains on. The name hashes
+    the training text, so a changed generator or corpus never reuses a stale tokenizer."""
+    name, texts = _embedded_tokenizer_texts(config)
+    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
+    return Path(config.cache_dir) / f"tokenizer-{name}-{digest}-v{config.vocab_size}", texts
 
 
 def embedded_tokenizer(config: DataConfig):
     """A BPE trained locally on the source's training text, cached under cache_dir.
 
     Word problems ("embedded"): questions and programs of generated training problems. Other
-    sources: the training documents of `document_split` (the cache key hashes them, so other text
-    gets another tokenizer).
+    sources: the training documents of `document_split`.
     """
     from transformers import PreTrainedTokenizerFast
 
-    if config.source == "embedded":
-        from blockgen.harness.wordproblems import generate
-
-        problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
-        texts = [p.question for p in problems] + [p.code for p in problems]
-        name = f"{config.source}-{config.difficulty}"
-    else:
-        texts = document_split(config)[0] if config.source in DOCUMENT_SOURCES else None
-        if texts is None:
-            raise ValueError(f"tokenizer='embedded' trains on the embedded word problems or a document source "
-                             f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
-        name = config.source
-    # The key hashes the training text, so a changed generator or corpus never reuses a stale tokenizer.
-    digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
-    directory = Path(config.cache_dir) / f"tokenizer-{name}-{digest}-v{config.vocab_size}"
+    directory, texts = embedded_tokenizer_dir(config)
     if (directory / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     return train_bpe(texts, config.vocab_size, directory)
@@ -204,13 +267,32 @@ def get_tokenizer(config: DataConfig):
     return load_tokenizer(config.tokenizer)
 
 
-def _hub_or_local(name: str, config: DataConfig, split: str | None = None, **kwargs):
+def _local_files(pattern: str) -> list[str]:
+    files = sorted(glob.glob(pattern)) or [pattern]
+    for name in files:
+        if not Path(name).exists():
+            raise FileNotFoundError(f"data path {pattern!r}: no such file")
+    return files
+
+
+def load_rows(config: DataConfig, split: str = "train"):
+    """The source's rows as a `datasets.Dataset` (Arrow, memory-mapped: never a Python list): local
+    files (`path`: JSON/JSONL, or parquet), else the hub dataset at its revision (or a local folder laid
+    out as the hub's export). Every failure of `datasets` becomes one clear error naming the offline paths."""
     from datasets import load_dataset
 
     if config.path is not None:
-        files = sorted(glob.glob(config.path)) or [config.path]  # a file, or a pattern like "dir/*.jsonl"
-        return load_dataset("json", data_files=files, split="train")
-    return hub_call(lambda: load_dataset(name, split=split, **kwargs), f"dataset {name}")
+        files = _local_files(config.path)
+        kind = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
+        return load_dataset(kind, data_files=files, split="train")
+    name, revision = config.hub_dataset()
+    what = f"dataset {name}" + (f" at revision {revision}" if revision else "")
+    try:
+        return hub_call(lambda: load_dataset(name, revision=revision, split=split), what)
+    except HubUnavailableError as err:
+        raise HubUnavailableError(f"{err}\n{OFFLINE_PATHS}") from err.__cause__
+    except Exception as err:  # datasets >= 4 raises RuntimeError for loading scripts, others for odd layouts
+        raise HubUnavailableError(f"could not load {what}: {type(err).__name__}: {err}\n{OFFLINE_PATHS}") from err
 
 
 def _stable_fraction_held_out(text: str) -> bool:
@@ -219,12 +301,9 @@ def _stable_fraction_held_out(text: str) -> bool:
 
 def _local_documents(pattern: str) -> list[str]:
     """Documents of local files: JSON/JSONL records with a `text` field, any other file one document."""
-    files = sorted(glob.glob(pattern)) or [pattern]
     docs: list[str] = []
-    for name in files:
+    for name in _local_files(pattern):
         path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"data path {pattern!r}: no such file")
         raw = path.read_text(encoding="utf-8")
         if path.suffix not in (".json", ".jsonl"):
             docs.append(raw)
@@ -261,21 +340,23 @@ class TextColumn(Sequence):
         return self.dataset[self.start + i % len(self)]["text"]
 
 
-def document_split(config: DataConfig) -> tuple[Sequence[str], list[str]]:
+def document_split(config: DataConfig) -> tuple[Sequence[str], Sequence[str]]:
     """(training documents, held-out documents) of a document source ("owt" or "text").
 
-    "owt": the last 100k documents are held out (local files: the last tenth, at most 100k).
-    "text": `pydoc_data.topics` in topic order (or local files); a document is held out when the
-    SHA-256 of its text is 0 modulo 10, so the split is the same on every machine and in any order.
+    "owt": the last 100k documents of the train split are held out (the authors' split of the
+    hub's export; local files, `path`: the last tenth, at most 100k). "text": `pydoc_data.topics` in
+    topic order (or local files); a document is held out when the SHA-256 of its text is 0 modulo 10,
+    so the split is the same on every machine and in any order.
     """
     if config.source == "owt":
-        if config.path is not None:
+        if config.path is not None and not all(f.endswith(".parquet") for f in _local_files(config.path)):
             texts = _local_documents(config.path)
             held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10)
             return texts[: len(texts) - held_out], texts[len(texts) - held_out :]
-        data = _hub_or_local("Skylion007/openwebtext", config, split="train")
-        cut = len(data) - OWT_VALIDATION_DOCS
-        return TextColumn(data, 0, cut), TextColumn(data, cut, len(data))[:]
+        data = load_rows(config)
+        held_out = OWT_VALIDATION_DOCS if config.path is None else min(OWT_VALIDATION_DOCS, len(data) // 10)
+        cut = len(data) - held_out
+        return TextColumn(data, 0, cut), TextColumn(data, cut, len(data))  # read on demand, never one list
     if config.source == "text":
         if config.path is None:
             from pydoc_data.topics import topics
@@ -292,30 +373,17 @@ def document_split(config: DataConfig) -> tuple[Sequence[str], list[str]]:
     raise ValueError(f"source {config.source!r} has no document split; document sources: {list(DOCUMENT_SOURCES)}")
 
 
+def tinygsm_held_out(n_rows: int) -> np.ndarray:
+    """Row indices of TinyGSM's held-out split: `Dataset.train_test_split(test_size=0.01, seed=42)`'s
+    test rows (the first ceil(1 %) of a PCG64 permutation seeded 42), in the permutation's order."""
+    n_test = math.ceil(TINYGSM_HELD_OUT_FRACTION * n_rows)
+    return np.random.default_rng(TINYGSM_SPLIT_SEED).permutation(n_rows)[:n_test]
+
+
 def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples, Examples, dict]:
-    """(train, validation, info) for a data config."""
-    special = special_tokens(tokenizer)
-    if config.source == "embedded":
-        from blockgen.harness.wordproblems import generate, to_records
+    """(train, validation, info) for a data config and tokenizer: prepared into the cache once
+    (`blockgen.harness.prepare`), then memory-mapped."""
+    from blockgen.harness.prepare import load_prepared, prepare_data
 
-        level = config.difficulty
-        train, dropped = encode_problems(to_records(generate("train", config.n_train, config.seed, level)), tokenizer, special, seq_len)
-        val, _ = encode_problems(to_records(generate("validation", config.n_val, config.seed, level)), tokenizer, special, seq_len)
-        info = {"dropped_too_long": dropped}
-    elif config.source == "tinygsm":
-        data = _hub_or_local("TinyGSM/TinyGSM", config, split="train")
-        n_val = min(config.n_val, len(data) // 10)
-        records = [{"question": r["question"], "code": r["code"]} for r in data]
-        train, dropped = encode_problems(records[: len(records) - n_val], tokenizer, special, seq_len)
-        val, _ = encode_problems(records[len(records) - n_val :], tokenizer, special, seq_len)
-        info = {"dropped_too_long": dropped}
-    else:
-        train_docs, held_out = document_split(config)
-        # OWT's training stream (about 9B tokens) is cached on disk and memory-mapped; held-out text is small.
-        cache = token_cache_path(config, tokenizer, f"train:{len(train_docs)}:{len(held_out)}") if config.source == "owt" else None
-        train = chunk_documents(train_docs, tokenizer, special, seq_len, cache=cache)
-        val = chunk_documents(held_out, tokenizer, special, seq_len)[: config.n_val]
-        info = {"validation_documents": len(held_out)}
-    info.update(train_examples=len(train), validation_examples=len(val), source=config.source)
+    _, train, val, info = load_prepared(prepare_data(config, seq_len, tokenizer=tokenizer), config.n_val)
     return train, val, info
-

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -26,18 +28,72 @@ def hub_call(load: Callable[[], T], what: str) -> T:
         raise HubUnavailableError(f"could not load {what}: {err}\n{OFFLINE_HINT}") from err
 
 
-def check_reachable(datasets: list[str], models: list[str], timeout: float = 10.0) -> None:
-    """Raise HubUnavailableError unless every dataset and model repository answers (or is cached offline)."""
+_DATA_FILE = re.compile(r"\.(parquet|arrow|jsonl?|csv|txt)(\.(gz|bz2|xz|zst))?$")
+_SPLIT_WORDS = ("train", "training", "validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation")
+
+
+def dataset_layout_problem(files: list[str], split: str | None = "train") -> str | None:
+    """Why `datasets` >= 4 cannot load `split` completely from a repository holding `files` (None: it can).
+
+    Checked on the listing itself: a loading script (refused since datasets 4), no data files for the
+    split, or the hub's *partial* parquet export (`<config>/partial-train/`: the converter stops at
+    about 5 GB, and `datasets` would load the truncated part as the whole train split)."""
+    scripts = [f for f in files if f.endswith(".py") and "/" not in f]
+    if scripts:
+        return (f"it ships a loading script ({scripts[0]}), which datasets >= 4 refuses; use its parquet export "
+                f"(revision refs/convert/parquet) or a parquet mirror")
+    data = [f for f in files if _DATA_FILE.search(f)]
+    if split is None:
+        return None if data else f"no data files among its {len(files)} files"
+    named = re.compile(rf"(^|/|[-._ ])(partial-)?{split}([-._ /0-9]|$)")
+    of_split = [f for f in data if named.search(f)]
+    partial = [f for f in of_split if f"partial-{split}" in f]
+    if partial:
+        return (f"its {split} split is a partial export ({partial[0]}: the hub converts only the first ~5 GB of "
+                f"large datasets); use a complete parquet mirror (--data.hub-name)")
+    unnamed = split == "train" and data and not any(re.search(rf"(^|/|[-._ ]){w}([-._ /0-9]|$)", f) for f in data for w in _SPLIT_WORDS)
+    if not of_split and not unnamed:  # files named for no split at all are all "train" to `datasets`
+        return f"no data files of split {split!r} among its {len(files)} files"
+    return None
+
+
+def repo_files(name: str, revision: str | None = None, kind: str = "dataset") -> list[str]:
+    """The files of a hub repository at a revision, or of a local folder (relative paths)."""
     import os
 
-    from huggingface_hub import HfApi
-
+    if Path(name).is_dir():
+        return sorted(str(p.relative_to(name)) for p in Path(name).rglob("*") if p.is_file())
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise HubUnavailableError("HF_HUB_OFFLINE is set")
-    api = HfApi()
-    for kind, names, info in (("dataset", datasets, api.dataset_info), ("model", models, api.model_info)):
-        for name in names:
-            try:
-                info(name, timeout=timeout)
-            except Exception as err:  # network errors, DNS, 404: all mean "cannot use it from here"
-                raise HubUnavailableError(f"{kind} {name} is not reachable on the Hugging Face hub ({type(err).__name__})") from err
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().list_repo_files(name, repo_type=kind, revision=revision)
+    except Exception as err:  # network errors, DNS, 404, a missing revision: all mean "cannot use it from here"
+        at = f" at revision {revision}" if revision else ""
+        raise HubUnavailableError(f"{kind} {name}{at} is not reachable on the Hugging Face hub ({type(err).__name__})") from err
+
+
+def model_files_problem(files: list[str], weights: bool) -> str | None:
+    """What a model repository lacks for loading its tokenizer (and, with `weights`, the model)."""
+    names = {f.rsplit("/", 1)[-1] for f in files if "/" not in f}
+    if not ({"tokenizer.json"} <= names or {"vocab.json", "merges.txt"} <= names or "tokenizer.model" in names):
+        return "no tokenizer files (tokenizer.json, vocab.json + merges.txt or tokenizer.model)"
+    if weights and not any(n.endswith(".safetensors") or n in ("pytorch_model.bin", "pytorch_model.bin.index.json") for n in names):
+        return "no weights (*.safetensors or pytorch_model.bin)"
+    return None
+
+
+def check_files(datasets: list[tuple[str, str | None, str | None]], tokenizers: list[str], models: list[str]) -> None:
+    """Raise HubUnavailableError unless what training and evaluation load is there: each dataset
+    (name, revision, split) loadable by today's `datasets`, each tokenizer's files, each model's
+    weights and tokenizer. Local folders are checked the same way, without the hub."""
+    for name, revision, split in datasets:
+        problem = dataset_layout_problem(repo_files(name, revision, "dataset"), split)
+        if problem:
+            at = f" at revision {revision}" if revision else ""
+            raise HubUnavailableError(f"dataset {name}{at} cannot be loaded: {problem}")
+    for name, weights in [(t, False) for t in tokenizers] + [(m, True) for m in models]:
+        problem = model_files_problem(repo_files(name, None, "model"), weights)
+        if problem:
+            raise HubUnavailableError(f"model {name}: {problem}")

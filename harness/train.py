@@ -1,6 +1,7 @@
 """The training loop: one process, or torchrun / torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Per optimizer step the global batch is split into D = world_size x grad_accum micro-batch slots.
+Per optimizer step the global batch is split into D = world_size x grad_accum micro-batch slots of
+`micro_batch` sequences (grad_accum = batch_size / (world_size x micro_batch)).
 Each slot gets one block size by the stratified selection of Algorithm 1 (the same draw on every
 rank, from the step's seed) and its slice of stratified diffusion times. AdamW with linear warm-up,
 gradient clipping, an EMA of the weights (used for validation and saved in model.safetensors),
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -24,8 +27,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save, save_checkpoint
-from blockgen.harness.data import DataConfig, Examples, get_tokenizer, load_examples
+from blockgen.harness.data import DataConfig, Examples
+from blockgen.harness.prepare import ensure_prepared, load_prepared
 from blockgen.harness.tokenizer import special_tokens
+from blockgen.models.diffusion import NELBO_CHUNK_TOKENS
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.objectives import stratified_indices, stratified_times
 
@@ -54,10 +59,16 @@ class TrainConfig:
     block_sizes: tuple[int, ...] = (16,)
     block_weights: tuple[float, ...] = (1.0,)
     causal_clean: bool = True
+    # "blockgen": the [x0 ; xt] model (block size 1 included); "ar": the paper's AR baseline, a plain
+    # causal transformer over the L tokens without adaLN (the authors' algo=ar; block_sizes (1,), masked).
+    architecture: Literal["blockgen", "ar"] = "blockgen"
     size: Literal["micro", "tiny", "paper"] = "tiny"
     seq_len: int = 128
     batch_size: int = 32  # global batch (sequences per optimizer step)
-    grad_accum: int = 1
+    # Sequences per process (GPU) in one forward/backward: what bounds memory. Gradient accumulation
+    # follows from it: batch_size / (world_size x micro_batch) micro-batches per step. None: the
+    # process's whole share of the batch at once (no accumulation).
+    micro_batch: int | None = None
     lr: float = 1e-3
     warmup_steps: int = 50
     # After warm-up: constant, or cosine decay to 10 % of lr at max_steps (short runs end sharper).
@@ -80,6 +91,9 @@ class TrainConfig:
     init_from: str | None = None
     compile: bool = False  # torch.compile the training forward (one graph per block size)
     peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
+    # Timeout of every collective (NCCL's own default is 10 minutes). Data preparation happens before
+    # the process group exists (`prepare.ensure_prepared`), so this only bounds training's own waits.
+    dist_timeout_s: int = 1800
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -90,6 +104,21 @@ class TrainConfig:
             raise ValueError(f"attention={self.attention!r}; choose 'auto', 'sdpa' or 'flex'")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule={self.lr_schedule!r}; choose 'constant' or 'cosine'")
+        if self.architecture not in ("blockgen", "ar"):
+            raise ValueError(f"architecture={self.architecture!r}; choose 'blockgen' or 'ar'")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
+
+    def grad_accum(self, world: int) -> int:
+        """Micro-batches per process per optimizer step: batch_size / (world x micro_batch)."""
+        micro = self.micro_batch or self.batch_size // world
+        if micro < 1 or self.batch_size % (world * micro):
+            raise ValueError(
+                f"batch_size={self.batch_size} (--batch-size / BATCH) is not divisible by world_size={world} (NGPU / NPROC) "
+                f"x micro_batch={micro} (--micro-batch / MICRO_BATCH): the global batch must be world_size x micro_batch "
+                f"x a whole number of accumulation steps"
+            )
+        return self.batch_size // (world * micro)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step `step` (0-based): linear warm-up, then the schedule."""
@@ -110,6 +139,8 @@ class TrainConfig:
             causal_clean=self.causal_clean,
             attention=attention,
             special_tokens=special,
+            architecture=self.architecture,
+            adaln=self.architecture != "ar",
             **asdict(SIZES[self.size]),
         )
 
@@ -118,8 +149,11 @@ class TrainConfig:
 
 
 # Settings a resumed run may change (e.g. extending the step budget); anything else must match.
+# micro_batch too (a run resumed on smaller GPUs): it splits the same global batch into other slots,
+# so the block-size and noise draws differ from the uninterrupted run's, the objective does not.
 RESUMABLE_CHANGES = frozenset(
-    {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops"}
+    {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops",
+     "micro_batch", "dist_timeout_s"}
 )
 
 
@@ -164,10 +198,12 @@ class Variant:
     block_sizes: tuple[int, ...]
     block_weights: tuple[float, ...]
     what: str
+    architecture: Literal["blockgen", "ar"] = "blockgen"
 
     def config(self, base: TrainConfig, name: str) -> TrainConfig:
         sizes = tuple(b or base.seq_len for b in self.block_sizes)
-        return replace(base, out_dir=f"runs/{name}", prior=self.prior, block_sizes=sizes, block_weights=self.block_weights)
+        return replace(base, out_dir=f"runs/{name}", prior=self.prior, block_sizes=sizes, block_weights=self.block_weights,
+                       architecture=self.architecture)
 
 
 def _single(prior: str, block: int) -> Variant:
@@ -176,7 +212,9 @@ def _single(prior: str, block: int) -> Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    "ar": Variant("masked", (1,), (1.0,), "autoregressive: block size 1, exact NLL"),
+    "ar": Variant("masked", (1,), (1.0,), "the paper's AR baseline: plain causal transformer over L tokens, exact NLL", "ar"),
+    # BlockGen's own AR path ([x0 ; xt] over 2L at block size 1): the demo's gsm-ar, which mixtures warm-start from.
+    "blockgen-b1": Variant("masked", (1,), (1.0,), "BlockGen at block size 1 ([x0 ; xt], 2L tokens): autoregressive, exact NLL"),
     **{f"{p}-{b}": _single(p, b) for p in ("masked", "uniform") for b in (4, 8, 16, 32)},
     "mdlm": Variant("masked", (0,), (1.0,), "full-sequence masked diffusion (MDLM-like): one block of L"),
     "duo": Variant("uniform", (0,), (1.0,), "full-sequence uniform diffusion (Duo-like): one block of L"),
@@ -197,20 +235,24 @@ VARIANTS: dict[str, Variant] = {
 # The paper's training recipe (appendix: AdamW 3e-4, 2,500 warm-up steps, batch 512, clip 1, EMA
 # 0.9999, dropout 0.1 in the "paper" size, bf16) and each benchmark's models. The "-embedded" twins
 # run the same variants offline at small scale on CPU (offline text or word problems, micro model).
+# micro_batch: the authors' sequences per GPU (OWT 16 GPUs x 32 x 1,024, TinyGSM 8 x 64 x 512 tokens),
+# which fit an 80 GB GPU (32 x 1,024 peaked at 56.5 GB eager on an H200); with fewer GPUs the rest of
+# the batch of 512 is gradient accumulation.
 _PAPER = dict(size="paper", batch_size=512, lr=3e-4, warmup_steps=2500, ema_decay=0.9999, precision="bf16",
               compile=True, eval_every=10_000, save_every=5_000)
 _OFFLINE = dict(size="micro", seq_len=128, batch_size=32, lr=3e-3, warmup_steps=20, max_steps=300, eval_every=300,
                 save_every=100, k_mc=2)
-_OWT_VARIANTS = ("ar", "masked-4", "masked-8", "masked-16", "uniform-4", "uniform-8", "uniform-16", "mdlm", "duo",
+_OWT_VARIANTS = ("ar", "blockgen-b1", "masked-4", "masked-8", "masked-16", "uniform-4", "uniform-8", "uniform-16", "mdlm", "duo",
                  "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
-_TINYGSM_VARIANTS = ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "mdlm", "duo",
+_TINYGSM_VARIANTS = ("ar", "blockgen-b1", "masked-16", "uniform-16", "masked-32", "uniform-32", "mdlm", "duo",
                      "masked-mix", "uniform-mix", "masked-mix32", "uniform-mix32")
 BENCHMARKS: dict[str, tuple[TrainConfig, tuple[str, ...]]] = {
     # OWT, table 1: GPT-2 tokenizer, L = 1024, 1M steps (table 3's single-block runs stop at 250k).
-    "owt": (TrainConfig(seq_len=1024, max_steps=1_000_000, data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000), **_PAPER), _OWT_VARIANTS),
-    # TinyGSM, figures 1-2 and tables 4-10: SmolLM-135M tokenizer, L = 512, 250k steps.
+    "owt": (TrainConfig(seq_len=1024, micro_batch=32, max_steps=1_000_000, data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000), **_PAPER), _OWT_VARIANTS),
+    # TinyGSM, figures 1-2 and tables 4-10: SmolLM-135M tokenizer, L = 512, 250k steps, loss on the padding
+    # (the authors' train_on_pad=True; the embedded twin keeps the demo's setting, no loss on padding).
     "tinygsm": (
-        TrainConfig(seq_len=512, max_steps=250_000, data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000), **_PAPER),
+        TrainConfig(seq_len=512, micro_batch=64, max_steps=250_000, data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000, train_on_pad=True), **_PAPER),
         _TINYGSM_VARIANTS,
     ),
     "owt-embedded": (TrainConfig(data=DataConfig(source="text", vocab_size=1024, n_val=64), **_OFFLINE), _OWT_VARIANTS),
@@ -242,8 +284,10 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed(device: str) -> Dist:
-    """Join the torchrun process group if launched by torchrun; otherwise a single process."""
+def setup_distributed(device: str, timeout_s: int = 1800) -> Dist:
+    """Join the torchrun process group if launched by torchrun; otherwise a single process.
+
+    `timeout_s` bounds every collective (and the group's start-up); NCCL's own default is 10 minutes."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -254,7 +298,10 @@ def setup_distributed(device: str) -> Dist:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if rank == 0:
+            print(f"blockgen: process group {backend}, {world} processes, timeout {timeout_s} s", flush=True)
     return Dist(rank, world, device)
 
 
@@ -293,18 +340,24 @@ class EMA:
 def warm_start(model: BlockGen, checkpoint: str | Path, tokenizer) -> None:
     """Copy a checkpoint's weights into `model`. The priors may differ: the masked prior's extra
     [MASK] row of the embedding and output layer is the only shape difference allowed (the rows
-    of the real vocabulary are copied, a row only one side has keeps its initialisation)."""
+    of the real vocabulary are copied, a row only one side has keeps its initialisation).
+    A released checkpoint (hf:jdeschena/blockgen/<subfolder> or its folder) is imported first."""
     from safetensors.torch import load_file
 
     from blockgen.harness.checkpoint import WEIGHTS, CheckpointError, read_config
+    from blockgen.harness.released import resolve_with_tokenizer
 
+    checkpoint = resolve_with_tokenizer(checkpoint, tokenizer)
     source = read_config(Path(checkpoint))
     if source.vocab_size != model.config.vocab_size or source.seq_len != model.config.seq_len:
         raise ValueError(f"init_from={checkpoint}: vocabulary {source.vocab_size} / seq_len {source.seq_len} "
                          f"differ from this run's {model.config.vocab_size} / {model.config.seq_len}")
     from transformers import PreTrainedTokenizerFast
 
-    if PreTrainedTokenizerFast.from_pretrained(str(checkpoint)).get_vocab() != tokenizer.get_vocab():
+    def real(vocab: dict) -> dict:  # ids past the real vocabulary (a release's added [PAD]) are no token of the model
+        return {k: v for k, v in vocab.items() if v < source.vocab_size}
+
+    if real(PreTrainedTokenizerFast.from_pretrained(str(checkpoint)).get_vocab()) != real(tokenizer.get_vocab()):
         raise ValueError(f"init_from={checkpoint} was trained with another tokenizer")
     weights = load_file(str(Path(checkpoint) / WEIGHTS))
     own = model.state_dict()
@@ -375,44 +428,136 @@ def peak_flops(device: str, override_tflops: float | None = None) -> float | Non
     return PEAK_BF16_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
 
 
+def network_tokens(config: BlockGenConfig) -> int:
+    """Tokens one training sequence puts through the network: 2L (`[x0 ; xt]`), L for the plain AR."""
+    return config.seq_len if config.architecture == "ar" else 2 * config.seq_len
+
+
 def training_flops_per_step(config: BlockGenConfig, batch_size: int) -> float:
     """Model FLOPs of one optimizer step: 3x the forward matmuls (forward + backward).
 
-    Each sequence puts N = 2L tokens (`[x0 ; xt]`) through n_layers blocks of width d:
+    Each sequence puts N = 2L tokens (`[x0 ; xt]`; the plain AR baseline: N = L) through n_layers
+    blocks of width d:
       weights      2 N * 12 d^2 per layer (qkv 3d^2, output d^2, MLP 8d^2)
       attention    2 * 2 N^2 d per layer (scores and values over all N keys, as SDPA computes them)
       output head  2 L d V (noisy half only)
     Embedding lookups, norms, adaLN (once per sequence) and softmax are left out.
     """
-    n, d, L = 2 * config.seq_len, config.d_model, config.seq_len
+    n, d, L = network_tokens(config), config.d_model, config.seq_len
     vocab = config.backbone().vocab_size
     forward = config.n_layers * (2 * n * 12 * d * d + 4 * n * n * d) + 2 * L * d * vocab
     return 3.0 * forward * batch_size
+
+
+# Activation elements autograd keeps per layer, per token through the network (`network_tokens`), per
+# unit of width d: measured 24.3-25.8 with torch.autograd.graph.saved_tensors_hooks on CPU (fp32, eager,
+# dropout 0; tests/test_memory.py pins it), about 20 without adaLN (the plain AR baseline); dropout adds
+# two boolean masks. SDPA's fused kernels (CPU flash, CUDA memory-efficient) keep no N x N attention
+# matrix. Bytes per element: 4 in fp32; 2.5 under bf16 autocast (matmul inputs in bf16, LayerNorm
+# inputs and the residual stream in fp32) is inferred from the 56.5 GB eager peak measured on an H200
+# at 32 x 1,024 (REFERENCE.md), not measured here.
+ACTIVATION_ELEMENTS_PER_LAYER = {True: 25.0, False: 20.0}  # by adaLN
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per process at the start of training (eager; torch.compile measured ~9 % lower on an H200)."""
+
+    weights: float
+    gradients: float
+    optimizer: float  # AdamW's two moments
+    ema: float
+    other_states: float  # DDP gradient buckets, bf16 weight copies under autocast
+    activations: float  # kept for backward by one micro-batch: the layers and the float32 logits
+    backward_transient: float  # the logits' gradient (and its bf16 copy), alive at the start of backward
+    micro_batch: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.ema + self.other_states + self.activations + self.backward_transient
+
+    def describe(self) -> str:
+        def size(n: float) -> str:
+            return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+        return (
+            f"memory estimate per process (derived, eager): weights {size(self.weights)}, gradients {size(self.gradients)}, "
+            f"AdamW {size(self.optimizer)}, EMA {size(self.ema)}, other {size(self.other_states)}, "
+            f"activations {size(self.activations)} per micro-batch of {self.micro_batch} "
+            f"(+{size(self.backward_transient)} in backward): about {size(self.total)} in all; "
+            f"lower it with --micro-batch / MICRO_BATCH"
+        )
+
+
+def memory_estimate(config: BlockGenConfig, n_params: int, micro_batch: int, bf16: bool, world: int) -> MemoryEstimate:
+    """The terms of `MemoryEstimate` from the model's shape (formula in the comment above)."""
+    tokens = network_tokens(config)
+    vocab = config.backbone().vocab_size
+    per_element = 2.5 if bf16 else 4.0
+    per_layer = ACTIVATION_ELEMENTS_PER_LAYER[config.adaln] + (0.5 if config.dropout > 0 else 0.0)  # bool masks: 1 byte
+    layers = micro_batch * config.n_layers * tokens * config.d_model * per_layer * per_element
+    logits = micro_batch * config.seq_len * vocab * 4.0  # float32, kept by the loss's logsumexp / log_softmax
+    return MemoryEstimate(
+        weights=4.0 * n_params,
+        gradients=4.0 * n_params,
+        optimizer=8.0 * n_params,
+        ema=4.0 * n_params,
+        other_states=(4.0 * n_params if world > 1 else 0.0) + (2.0 * n_params if bf16 else 0.0),
+        activations=layers + logits,
+        # the uniform prior's float64 NELBO chunk, recomputed in backward: about 6 (chunk, V) float64 tensors
+        backward_transient=logits * (1.5 if bf16 else 1.0) + (6 * 8.0 * NELBO_CHUNK_TOKENS * vocab if config.prior == "uniform" else 0.0),
+        micro_batch=micro_batch,
+    )
+
+
+def enable_tf32() -> None:
+    """TF32 tensor cores for float32 matmuls and convolutions on CUDA, as the authors train (the
+    bf16 autocast regions are unaffected; float32 outside them, e.g. the loss, gets 10-bit mantissas
+    in matmuls only). Process-wide: called by training on CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+@contextlib.contextmanager
+def names_the_knob(micro: int, grad_accum: int):
+    """Re-raise an out-of-memory error with the setting that fixes it."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise torch.OutOfMemoryError(
+            f"out of memory at {micro} sequences per process and micro-batch ({grad_accum} micro-batches per step): "
+            f"lower --micro-batch (Makefile: MICRO_BATCH), e.g. to {max(micro // 2, 1)}; the global batch and the "
+            f"results stay the same, gradient accumulation grows. ({err})"
+        ) from err
+
+
+@functools.lru_cache(maxsize=1)
+def _epoch_permutation(n_examples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of an epoch, from (seed, epoch) alone: a resumed run draws the uninterrupted run's.
+    Cached: drawn once per epoch (a full randperm takes 0.35-0.6 s at TinyGSM/OWT sizes), never per step."""
+    return torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
 def _slot_batches(n_examples: int, step: int, batch: int, seed: int) -> torch.Tensor:
     """Global batch indices for a step: a fresh permutation per epoch (same on every rank)."""
     per_epoch = max(n_examples // batch, 1)
     epoch, offset = divmod(step, per_epoch)
-    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[offset * batch : (offset + 1) * batch]
+    return _epoch_permutation(n_examples, seed, epoch)[offset * batch : (offset + 1) * batch]
 
 
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train (or resume) a model; returns the checkpoint directory."""
-    d = setup_distributed(config.device)
+    # The data cache first, before any process group: preparing it may take hours (`ensure_prepared`).
+    prepared = ensure_prepared(config.data, config.seq_len)
+    d = setup_distributed(config.device, config.dist_timeout_s)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     out = Path(config.out_dir)
     ckpt_dir = out / "checkpoint"
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-    tokenizer = get_tokenizer(config.data) if d.main else None
-    data = load_examples(config.data, tokenizer, config.seq_len) if d.main else None
-    if d.world > 1:
-        dist.barrier()  # rank 0 trains/caches the embedded tokenizer and the token cache first
-        tokenizer = tokenizer or get_tokenizer(config.data)
-        data = data or load_examples(config.data, tokenizer, config.seq_len)
-    train_data, val_data, data_info = data
+    # Every rank reads the prepared cache (memory-mapped) and the tokenizer saved with it: no hub access.
+    tokenizer, train_data, val_data, data_info = load_prepared(prepared, config.data.n_val)
     special = special_tokens(tokenizer).to_dict()
     model_config = config.model_config(len(tokenizer), special, d.device)
     model = BlockGen(model_config).to(d.device)
@@ -427,7 +572,9 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         dist.barrier()
     if (ckpt_dir / TRAINING_STATE).is_file():
         state = torch.load(ckpt_dir / TRAINING_STATE, map_location=d.device, weights_only=False)
-        changed = sorted(k for k, v in config.to_dict().items() if state["config"].get(k) != v and k not in RESUMABLE_CHANGES)
+        # a setting added after the checkpoint was written had its default then
+        saved = {**TrainConfig().to_dict(), **state["config"]}
+        changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
         if changed:
             raise ValueError(f"{ckpt_dir} was written with different {changed}; use another out_dir")
         model.load_state_dict(state["model"])
@@ -440,13 +587,17 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     if config.compile:
         net = torch.compile(net, dynamic=False)  # block_size is a Python int: one graph per block size
 
-    slots = d.world * config.grad_accum
-    if config.batch_size % slots:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by world_size x grad_accum = {slots}")
+    grad_accum = config.grad_accum(d.world)
+    slots = d.world * grad_accum
     micro = config.batch_size // slots
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if config.precision == "bf16" and d.device.startswith("cuda") else contextlib.nullcontext()
-    )
+    bf16 = config.precision == "bf16" and d.device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    if d.device.startswith("cuda"):
+        enable_tf32()
+    if d.main:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"{micro} sequences per process and micro-batch, {grad_accum} micro-batches per step; "
+              + memory_estimate(model_config, n_params, micro, bf16, d.world).describe(), flush=True)
     log_path = out / "metrics.jsonl"
     flops_per_step = training_flops_per_step(model_config, config.batch_size)
     peak = peak_flops(d.device, config.peak_tflops)
@@ -487,21 +638,21 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         times = stratified_times(config.batch_size, u_time, model.schedule)
         batch_idx = _slot_batches(len(train_data), step, config.batch_size, config.seed)
         loss_sum = torch.zeros((), device=d.device)
-        for a in range(config.grad_accum):
-            slot = d.rank * config.grad_accum + a
+        for a in range(grad_accum):
+            slot = d.rank * grad_accum + a
             sl = slice(slot * micro, (slot + 1) * micro)
             b = train_data[batch_idx[sl]]
             x, lm, cm = (t.to(d.device) for t in (b.tokens, b.loss_mask, b.condition_mask))
             block_size = model_config.block_sizes[block_idx[slot]]
-            sync = contextlib.nullcontext() if ddp is None or a == config.grad_accum - 1 else ddp.no_sync()
+            sync = contextlib.nullcontext() if ddp is None or a == grad_accum - 1 else ddp.no_sync()
             # Noise and dropout of a micro-batch derive from (seed, step, slot) alone: a resumed run
             # draws what the uninterrupted run drew, on every rank, with no RNG state to save.
             torch.manual_seed(slot_seed(config.seed, step, slot))
-            with sync, autocast:
+            with sync, autocast, names_the_knob(micro, grad_accum):
                 total, count = net(x, lm.float(), block_size, times[sl].to(d.device), cm)
                 loss = total / count.clamp_min(1)
-                (loss / config.grad_accum).backward()
-            loss_sum += loss.detach() / config.grad_accum
+                (loss / grad_accum).backward()
+            loss_sum += loss.detach() / grad_accum
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -523,7 +674,8 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world):.1%}"
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rate:.0f}", **({"mfu": mfu} if mfu else {}))
         if step % config.eval_every == 0 or step == config.max_steps:
-            record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
+            with names_the_knob(micro, grad_accum):
+                record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
             if d.main:
                 bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
         if d.main:

@@ -29,6 +29,10 @@ from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+
+# Tokens per float64 chunk of the uniform prior's NELBO: 2,048 x 50k x 8 bytes = 0.8 GB per tensor.
+NELBO_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -230,32 +234,61 @@ class UniformPrior:
         norm = v * a_t * (z * x).sum(-1, keepdim=True) + 1 - a_t
         return mu / norm
 
-    def nelbo(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, t: torch.Tensor, schedule: LogLinearSchedule) -> torch.Tensor:
+    def nelbo(
+        self,
+        logits: torch.Tensor,
+        x: torch.Tensor,
+        z_t: torch.Tensor,
+        t: torch.Tensor,
+        schedule: LogLinearSchedule,
+        chunk_tokens: int | None = None,
+    ) -> torch.Tensor:
         """Per-token f_ELBO of eq. supp:duo-felbo with alpha' = d alpha/dt, times -1 (>= 0).
 
         With xbar = V a x + (1 - a), xbar_theta = V a x_hat + (1 - a) and i = z_t:
           f = (d alpha/dt) / (V a) * [V/xbar_i - V/xbar_theta_i - sum_r xbar_r/xbar_i log(xbar_theta_i xbar_r / (xbar_theta_r xbar_i))]
         The sum is expanded so that only log xbar_theta needs the full vocabulary (xbar is two-valued).
         Computed in float64: the small terms vanish in bf16.
+
+        The float64 work over the vocabulary is done `chunk_tokens` tokens at a time (default
+        `NELBO_CHUNK_TOKENS`): whole, it is several (B, L, V) float64 tensors, 13 GB each at B = 32,
+        L = 1024, V = 50k. Under autograd each chunk is checkpointed (recomputed in backward), so only
+        the logits are kept for backward. Tokens are independent: chunking changes no value.
         """
+        a = _bcast(schedule.alpha(t).double(), x).expand(x.shape)
+        da = _bcast(schedule.d_alpha(t).double(), x).expand(x.shape)
+        flat = (logits.reshape(-1, logits.shape[-1]), x.reshape(-1), z_t.reshape(-1), a.reshape(-1), da.reshape(-1))
+        chunk = chunk_tokens or NELBO_CHUNK_TOKENS
+        recompute = torch.is_grad_enabled() and logits.requires_grad
+        out = []
+        for start in range(0, flat[1].numel(), chunk):
+            part = tuple(f[start : start + chunk] for f in flat)
+            if recompute:
+                out.append(torch.utils.checkpoint.checkpoint(self._nelbo_tokens, *part, use_reentrant=False))
+            else:
+                out.append(self._nelbo_tokens(*part))
+        if not out:
+            return torch.zeros(x.shape, device=x.device)
+        return torch.cat(out).view(x.shape).float()
+
+    def _nelbo_tokens(self, logits: torch.Tensor, x: torch.Tensor, z_t: torch.Tensor, a: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+        """`nelbo` of N tokens in float64: logits (N, V), the rest (N,)."""
         v = self.vocab_size
         log_x_hat = logits.double().log_softmax(-1)
-        a = _bcast(schedule.alpha(t).double(), log_x_hat[..., 0])
-        da = _bcast(schedule.d_alpha(t).double(), log_x_hat[..., 0])
         x_hat = log_x_hat.exp()
-        log_xbar_theta = torch.log(v * a[..., None] * x_hat + (1 - a[..., None]))  # (..., V)
+        log_xbar_theta = torch.log(v * a[:, None] * x_hat + (1 - a[:, None]))  # (N, V)
         hit = z_t == x
         hi, lo = v * a + 1 - a, 1 - a  # xbar at r == x and r != x
         xbar_i = torch.where(hit, hi, lo)
-        log_xbar_theta_i = log_xbar_theta.gather(-1, z_t[..., None])[..., 0]
-        log_xbar_theta_x = log_xbar_theta.gather(-1, x[..., None])[..., 0]
+        log_xbar_theta_i = log_xbar_theta.gather(-1, z_t[:, None])[:, 0]
+        log_xbar_theta_x = log_xbar_theta.gather(-1, x[:, None])[:, 0]
         # sum_r xbar_r log xbar_r and sum_r xbar_r log xbar_theta_r
         s_xlogx = hi * torch.log(hi) + (v - 1) * lo * torch.log(lo)
         s_xlogtheta = lo * log_xbar_theta.sum(-1) + v * a * log_xbar_theta_x
         total = v  # sum_r xbar_r
         sum_term = (total * (log_xbar_theta_i - torch.log(xbar_i)) + s_xlogx - s_xlogtheta) / xbar_i
         bracket = v / xbar_i - v / log_xbar_theta_i.exp() - sum_term
-        return (da / (v * a) * bracket).float()
+        return da / (v * a) * bracket
 
     def train_loss(self, logits, x, z_t, t, schedule) -> torch.Tensor:
         return self.nelbo(logits, x, z_t, t, schedule)

@@ -93,7 +93,23 @@ def noisy_forward(
     logits = model.forward_train(x, z_t, block_size, valid)
     if block_size == 1:
         loss = -prior.log_prob_clean(logits, x, z_t)
-    elif objective == "train":
+        return loss if condition_mask is None else loss.masked_fill(condition_mask, 0.0)
+    return prior_losses(prior, logits, x, z_t, t, schedule, objective, condition_mask)
+
+
+def prior_losses(
+    prior: Prior,
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    z_t: torch.Tensor,
+    t: torch.Tensor,
+    schedule: LogLinearSchedule,
+    objective: str,
+    condition_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token losses (B, L) of the denoiser's `logits` for noisy `z_t` at times t: the prior's
+    training loss ("train") or NELBO integrand ("nelbo"); zero on the clean prompt (`condition_mask`)."""
+    if objective == "train":
         loss = prior.train_loss(logits, x, z_t, t, schedule)
     elif objective == "nelbo":
         loss = prior.nelbo(logits, x, z_t, t, schedule)
