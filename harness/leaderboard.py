@@ -10,6 +10,7 @@ sampler variant per NFE, as the paper's figures do.
     blockgen leaderboard show leaderboards/paper.json --task gsm8k_code --best
     blockgen leaderboard page                     # every leaderboards/*.json -> runs/leaderboard-page/index.html
     blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json   # exit 1 past a tolerance
+    blockgen leaderboard compare out/A out/B      # A - B on the same problems (lm_eval --log_samples outputs)
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def _number(value: Any) -> float | None:
 
 
 def rows_from_results(results: dict[str, Any], source: str = "", model: str | None = None) -> list[Row]:
-    """Leaderboard rows from one lm-eval results JSON written with `--model blockgen`.
+    """Leaderboard rows from one lm-eval results JSON written with `--model blockgen`, or with another
+    model type (hf, vllm, ...: an AR baseline, its sampler read from the task's generation kwargs).
 
     The generation settings of a task come from the adapter's per-task report
     (`config.blockgen.tasks[task].generate_until.settings`: sampler, steps, GE, warm-up, temperature,
@@ -275,23 +277,37 @@ def rows_from_results(results: dict[str, Any], source: str = "", model: str | No
     """
     config = results.get("config", {})
     info = config.get("blockgen")
-    if not isinstance(info, dict):
-        raise LeaderboardError(f"{source or 'results'}: not written by `lm_eval --model blockgen` (no config.blockgen)")
+    external = not isinstance(info, dict)  # another lm-eval model type (hf, vllm, ...): an AR baseline row
+    if external and not config.get("model"):
+        raise LeaderboardError(f"{source or 'results'}: not an lm-eval results file (no config.model)")
+    info = {} if external else info
     wall = _float_or_none(results.get("total_evaluation_time_seconds"))  # lm-eval writes it as a string
-    checkpoint = config.get("model_checkpoint") or str(config.get("model_args", {}).get("pretrained", "?"))
+    model_args = config.get("model_args", {})
+    if isinstance(model_args, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        model_args = simple_parse_args_string(model_args)
+    checkpoint = config.get("model_checkpoint") or str(model_args.get("pretrained", "?"))
     date = results.get("date")
     common = dict(
         model=model or _model_name(checkpoint), train_steps=_training_step(checkpoint),
-        source=source, prior=info.get("prior"), block_sizes=info.get("block_sizes"), block_weights=info.get("block_weights"),
-        checkpoint_sha=config.get("model_sha"), seed=info.get("seed"), lm_eval_version=results.get("lm_eval_version"),
+        # an AR checkpoint (block size 1 only) has no noise prior, whatever its config records
+        source=source, prior=None if info.get("block_sizes") == [1] else info.get("prior"),
+        block_sizes=info.get("block_sizes"), block_weights=info.get("block_weights"),
+        checkpoint_sha=config.get("model_sha") or None, seed=info.get("seed"), lm_eval_version=results.get("lm_eval_version"),
         commit=results.get("git_hash"), hardware=_hardware(results.get("pretty_env_info")), wall_seconds=wall,
         date=dt.datetime.fromtimestamp(date, dt.timezone.utc).isoformat(timespec="seconds") if _number(date) else None,
+        note=f"lm-eval model {config['model']}" if external else None,
     )
     rows = []
     for task, metrics in results.get("results", {}).items():
         report = info.get("tasks", {}).get(task, {})
         output_type = results.get("configs", {}).get(task, {}).get("output_type")
-        settings = _task_settings(info, report, output_type, wall)
+        if external:
+            gen_kwargs = {**(results.get("configs", {}).get(task, {}).get("generation_kwargs") or {}), **(config.get("gen_kwargs") or {})}
+            settings = _external_settings(gen_kwargs, output_type)
+        else:
+            settings = _task_settings(info, report, output_type, wall)
         n = results.get("n-samples", {}).get(task, {}).get("effective")
         better = results.get("higher_is_better", {}).get(task, {})
         for name, value in metrics.items():
@@ -311,12 +327,48 @@ def _float_or_none(value: Any) -> Any:
         return None
 
 
+# Per-setting counts of the adapter's report (`Usage.GENERATION`): summed when settings are merged.
+_COUNTS = ("requests", "model_calls", "blocks", "generated_tokens", "generate_seconds")
+
+
+def merge_budgets(settings: list[dict]) -> list[dict]:
+    """The adapter's per-setting records with those that differ only in their generation budget
+    (``max_gen_toks``: gsm8k_code gives each row the room its prompt leaves) merged into one: counts
+    summed, ``max_gen_toks`` the largest, calls per block recomputed. One setting stays one record."""
+    merged: dict[str, dict] = {}
+    for s in settings:
+        key = json.dumps({k: v for k, v in s.items() if k not in (*_COUNTS, "max_gen_toks", "model_calls_per_block")},
+                         sort_keys=True)
+        if key not in merged:
+            merged[key] = dict(s)
+            continue
+        m = merged[key]
+        for name in _COUNTS:
+            if name in s:
+                m[name] = m.get(name, 0) + s[name]
+        m["max_gen_toks"] = max(m.get("max_gen_toks") or 0, s.get("max_gen_toks") or 0)
+        if m.get("blocks"):
+            m["model_calls_per_block"] = m["model_calls"] / m["blocks"]
+    return list(merged.values())
+
+
+def _external_settings(gen_kwargs: dict, output_type: str | None) -> dict[str, Any]:
+    """Sampler fields of another model type's generation task, read as lm-eval's hf backend reads
+    them: sampling when do_sample is set or the temperature is > 0, else greedy; one call per token."""
+    if output_type != "generate_until":
+        return {}
+    temperature = _number(gen_kwargs.get("temperature")) or 0.0
+    sample = gen_kwargs.get("do_sample") is True or (gen_kwargs.get("do_sample") is None and temperature > 0)
+    return dict(sampler="ar_sample" if sample else "ar_greedy", temperature=temperature if sample else None,
+                block_size=1, nfe_per_block=1)
+
+
 def _task_settings(info: dict, report: dict, output_type: str | None, wall: float | None) -> dict[str, Any]:
     """Sampler fields of one task's rows (generation), or K_MC (likelihood)."""
     if output_type != "generate_until":
         return {"k_mc": report.get("loglikelihood", report.get("loglikelihood_rolling", {})).get("k_mc", info.get("k_mc"))}
     gen = report.get("generate_until", {})
-    settings = gen.get("settings") or []
+    settings = merge_budgets(gen.get("settings") or [])
     if len(settings) == 1:
         s = settings[0]
         nfe, calls = s.get("paper_nfe_per_block"), s.get("model_calls_per_block")
@@ -412,6 +464,12 @@ def _parser():
     show.add_argument("--columns", nargs="+", default=SHOW_COLUMNS, help="columns to print (default: %(default)s)")
     sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
     sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
+    comp = sub.add_parser("compare", help="A - B on the same problems: paired 95%% interval and test (needs per-sample logs)")
+    comp.add_argument("a", help="lm-eval output of setting A: results_*.json (with --log_samples), its folder, or a demo results file")
+    comp.add_argument("b", help="the same for setting B (same task, same problems)")
+    comp.add_argument("--metric", default=None, help="per-sample metric (default: exact_match, or gen_ppl for owt_genppl)")
+    comp.add_argument("--task", default=None, help="the task, when an output holds several")
+    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     check = sub.add_parser("check", help="compare a rerun with a reference that carries tolerances; exit 1 on a regression")
     check.add_argument("new", help="the rerun's leaderboard JSON")
     check.add_argument("--against", default="leaderboards/ci_regression.json", help="reference leaderboard (default: %(default)s)")
@@ -453,6 +511,14 @@ def main(argv: list[str]) -> int:
                 df = best_per_nfe(df)
             with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
                 print(df[args.columns].to_string(index=False) if not df.empty else "(no rows)")
+        elif args.action == "compare":
+            from blockgen.harness.compare import CompareError, compare, format_comparison
+
+            try:
+                result = compare(args.a, args.b, args.metric, args.task)
+            except CompareError as err:
+                raise LeaderboardError(str(err)) from None
+            print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
         elif args.action == "check":
             from blockgen.harness.regression import check
 

@@ -52,7 +52,9 @@ def evaluate_embedded(
     """Run `gsm8k_code_embedded` on a checkpoint with one sampler; the task's numbers and the run's calls.
 
     `difficulty`: the generator's level of the test problems (None: the task's default).
-    `results_path`: also write lm-eval's results (what `lm_eval --output_path` holds) there as JSON."""
+    `results_path`: also write lm-eval's results (what `lm_eval --output_path` holds) there as JSON, and
+    the per-problem samples (what `--log_samples` keeps: program, outcome, exact_match per problem) beside
+    it as JSON lines (`samples_path`), which `blockgen leaderboard compare` pairs."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -69,23 +71,36 @@ def evaluate_embedded(
         metadata["difficulty"] = difficulty
     tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
     out = lm_eval.simple_evaluate(model="blockgen", model_args=model_args, tasks=[TASK], task_manager=tasks,
-                                  batch_size=batch_size, device=device, limit=limit, log_samples=False)
+                                  batch_size=batch_size, device=device, limit=limit, log_samples=results_path is not None)
     if results_path is not None:
         from lm_eval.utils import handle_non_serializable
 
         path = Path(results_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")  # atomic: a killed run leaves no half-written results
+        samples = out.pop("samples", {}).get(TASK, [])
+        # atomic, samples first: a killed run leaves no half-written file, and results imply samples
+        tmp = samples_path(path).with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(s, default=handle_non_serializable) + "\n" for s in samples))
+        tmp.replace(samples_path(path))
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=2, default=handle_non_serializable))
         tmp.replace(path)
     return report(out)
+
+
+def samples_path(results_path: str | Path) -> Path:
+    """Where `evaluate_embedded` keeps the per-problem samples of a results file: X.json -> X.samples.jsonl."""
+    path = Path(results_path)
+    return path.with_name(f"{path.stem}.samples.jsonl")
 
 
 def report(out: dict) -> dict:
     """The demo's summary of one `simple_evaluate` result of the task."""
     metrics = {k.split(",")[0]: v for k, v in out["results"][TASK].items() if "," in k}
     usage = out["config"]["blockgen"]["tasks"][TASK]["generate_until"]
-    (settings,) = usage["settings"]  # one sampler per run
+    from blockgen.harness.leaderboard import merge_budgets
+
+    (settings,) = merge_budgets(usage["settings"])  # one sampler per run (rows' budgets may differ)
     n = out["n-samples"][TASK]["effective"]
     return {
         "sampler": {k: settings[k] for k in ("sampler", "steps", "ge", "warmup", "temperature", "block_size", "max_gen_toks")},
@@ -99,6 +114,7 @@ def report(out: dict) -> dict:
         "model_calls_per_block": settings["model_calls_per_block"],
         "model_calls": usage["model_calls"],
         "truncated_prompts": usage["truncated_requests"],
+        "budget_hits": metrics.get("budget_hits"),
     }
 
 

@@ -21,6 +21,10 @@ the context is the question followed by the separator's text (the tokenizer's SE
 exactly the training ids when the data load. The tokenizer is the checkpoint's: lm-eval passes
 ``--model_args`` to tasks as metadata, so ``pretrained=DIR`` names it.
 
+Generation budget (`GSM8KCodeTask`, any lm-eval model type): each row may generate the room its
+prompt leaves in the model's length (`tasks/model_info.py`), capped by a max_gen_toks the user gives;
+samples record ``budget`` and ``response_tokens``, and ``budget_hits`` counts the rows that used all of it.
+
 Scoring: `ExecutePrograms` (an lm-eval filter: it receives every response of the run at once)
 extracts each program and runs them all in parallel in the sandbox, never in the evaluating
 process; `process_results` compares each value with the answer. Metrics: ``exact_match`` and the
@@ -40,6 +44,8 @@ from lm_eval.api.samplers import ContextSampler
 from tqdm import tqdm
 
 from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
+from blockgen.tasks.model_info import checkpoint_tokenizer, model_max_length, model_path
+from blockgen.tasks.owt import YamlClassTask
 from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, is_correct, run_many
 
 GSM8K_HUB = ("openai/gsm8k", "main", "test")
@@ -53,22 +59,6 @@ OUTCOMES = (
 
 
 # ------------------------------------------------------------------------------ prompts
-
-
-def checkpoint_tokenizer(pretrained: str):
-    """(tokenizer, SpecialTokens) of a checkpoint: the special ids recorded at training time, else
-    the tokenizer's own (a Hugging Face model directory or name, as lm-eval's hf backend takes)."""
-    from blockgen.harness.checkpoint import CheckpointError, read_config
-    from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
-
-    try:
-        recorded = read_config(pretrained).special_tokens
-    except CheckpointError:  # not a BlockGen checkpoint: e.g. --model hf
-        return (tokenizer := load_tokenizer(pretrained)), special_tokens(tokenizer)
-    from transformers import PreTrainedTokenizerFast  # as `load_checkpoint` reads it
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pretrained))
-    return tokenizer, SpecialTokens.from_dict(recorded) if recorded else special_tokens(tokenizer)
 
 
 def prompt_contexts(questions: list[str], tokenizer, special) -> list[str]:
@@ -99,15 +89,29 @@ def _tokenizer_from(metadata: dict[str, Any]):
             "--model_args (lm-eval passes model args to tasks as metadata); with a TaskManager of your "
             "own, pass metadata={'pretrained': DIR}"
         )
-    return checkpoint_tokenizer(str(pretrained))
+    return checkpoint_tokenizer(model_path(metadata))
+
+
+def generation_budget(prompt_tokens: int, max_length: int, cap: int | None = None) -> int:
+    """Tokens a row may generate: the room its prompt leaves in the model's length, at most `cap`
+    (a user's max_gen_toks), at least 1 (a prompt that fills the model is cut by the model)."""
+    room = max_length - prompt_tokens
+    return max(1, room if cap is None else min(cap, room))
 
 
 def _dataset(rows: list[dict], metadata: dict[str, Any]):
+    """Rows with their context (``prompt``), its length in tokens with BOS (``prompt_tokens``) and the
+    model's length (``max_length``), from which each request's generation budget follows."""
     from datasets import Dataset, DatasetDict
+
+    from blockgen.harness.data import encode_prompt
 
     tokenizer, special = _tokenizer_from(metadata)
     contexts = prompt_contexts([r["question"] for r in rows], tokenizer, special)
-    return DatasetDict({"test": Dataset.from_list([{**r, "prompt": c} for r, c in zip(rows, contexts)])})
+    max_length = model_max_length(metadata, tokenizer)
+    rows = [{**r, "prompt": c, "prompt_tokens": len(encode_prompt(r["question"], tokenizer, special)), "max_length": max_length}
+            for r, c in zip(rows, contexts)]
+    return DatasetDict({"test": Dataset.from_list(rows)})
 
 
 # ------------------------------------------------------------------------------ data
@@ -176,6 +180,46 @@ def program_record(program: str, result: SandboxResult) -> str:
     return json.dumps({"program": program, "outcome": result.outcome.value, "value": result.value, "error": result.error})
 
 
+class GSM8KCodeTask(YamlClassTask):
+    """Each request's generation budget is the room its prompt leaves in the model's length (so no
+    program is cut for want of room), capped by a max_gen_toks the user gave (``--gen_kwargs`` or
+    the model argument); every sample records its budget and length, and the results count the rows
+    that used all of it (``budget_hits``)."""
+
+    def _cap(self) -> int | None:
+        for source in (self.config.generation_kwargs or {}, self.config.metadata or {}):
+            if source.get("max_gen_toks") is not None:
+                return int(source["max_gen_toks"])
+        return None
+
+    def construct_requests(self, doc: dict, ctx: str, **kwargs):
+        request = super().construct_requests(doc, ctx, **kwargs)
+        for inst in request if isinstance(request, list) else [request]:
+            context, gen_kwargs = inst.arguments
+            budget = generation_budget(doc["prompt_tokens"], doc["max_length"], self._cap())
+            inst.arguments = (context, {**gen_kwargs, "max_gen_toks": budget})
+        return request
+
+    def apply_filters(self):
+        super().apply_filters()
+        instances = self._instances or []
+        if not instances:
+            return instances
+        tokenizer, _ = _tokenizer_from(self.config.metadata or {})
+        responses = [inst.resps[0] if inst.resps else "" for inst in instances]  # one per doc (repeats: 1)
+        lengths = [len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"]]
+        for inst, n in zip(instances, lengths):
+            budget = inst.arguments[1]["max_gen_toks"]
+            for name, record in inst.filtered_resps.items():
+                inst.filtered_resps[name] = json.dumps({**json.loads(record), "budget": budget, "response_tokens": n})
+        return instances
+
+
+def budget_hits(items: list[float]) -> int:
+    """How many rows used their whole generation budget (their response, re-encoded, is that long)."""
+    return int(sum(items))
+
+
 class ExecutePrograms(Filter):
     """Extracts the program of every response and runs them all at once in the sandbox.
 
@@ -204,8 +248,11 @@ def verdict(record: dict, answer: str) -> str:
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     (record,) = results
-    v = verdict(json.loads(record), doc["answer"])
+    parsed = json.loads(record)
+    v = verdict(parsed, doc["answer"])
     out = {"exact_match": float(v == "correct"), **{f"outcome_{o}": float(v == o) for o in OUTCOMES}}
+    if "budget" in parsed:  # written by GSM8KCodeTask (absent when the filter is called alone)
+        out["budget_hits"] = float(parsed["response_tokens"] >= parsed["budget"])
     if "is_heldout" in doc:  # the embedded twin: each part alone, too
         out["exact_match_heldout" if doc["is_heldout"] else "exact_match_in_distribution"] = out["exact_match"]
     return out

@@ -12,8 +12,9 @@ Metrics: ``perplexity`` = exp(total NLL / tokens) under the LSE bound, ``perplex
 ``nll`` / ``nll_jensen`` per token (what `blockgen train` logs as val_nll_lse / val_nll_jensen).
 Needs ``--model blockgen`` (the checkpoint directory comes from ``pretrained=``).
 
-``owt_genppl``: unconditional samples (the context is empty: the prompt is BOS) from any sampler,
-NFE and temperature (``--model_args`` or ``--gen_kwargs``), then, over all samples at once (a task
+``owt_genppl``: unconditional samples (the context is the model's BOS token) from any model type
+(`OwtGenPPLTask`: a budget that fits the model, sampling by default), any sampler, NFE and
+temperature (``--model_args`` or ``--gen_kwargs``), then, over all samples at once (a task
 filter, so each torchrun rank scores its own share), under a scorer language model
 (`blockgen.harness.scorers`): ``gen_ppl`` (token-weighted; how tokens are counted is documented
 there), ``unigram_entropy`` (mean per sample, nats), and ``mauve`` against as many held-out reference
@@ -28,7 +29,6 @@ The scorer and the sample count come from the task's metadata, overridable with 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 from lm_eval.api.instance import Instance
@@ -76,14 +76,14 @@ def ppl_chunks(pretrained: str | None = None, source: str = "owt", data_path: st
     return _dataset([{"chunk": i, "text": tokenizer.decode(c), "tokens": c} for i, c in enumerate(chunks)])
 
 
-class _YamlClassTask(ConfigurableTask):
+class YamlClassTask(ConfigurableTask):
     """A ConfigurableTask built from a YAML that names it with `class:` (a key TaskConfig rejects)."""
 
     def __init__(self, config: dict | None = None, **kwargs) -> None:
         super().__init__(config={k: v for k, v in (config or {}).items() if k != "class"}, **kwargs)
 
 
-class OwtPPLTask(_YamlClassTask):
+class OwtPPLTask(YamlClassTask):
     """One ``loglikelihood_windows`` request per chunk: (decoded text, token ids); the ids are scored."""
 
     def __init__(self, config: dict | None = None, **kwargs) -> None:
@@ -142,16 +142,48 @@ def genppl_references(source: str = "owt", data_path: str | None = None, num_sam
     return _dataset([{"reference": p} for p in passages[: int(num_samples)]])
 
 
-class OwtGenPPLTask(_YamlClassTask):
-    """generate_until from an empty context; all samples are scored at once after generation."""
+class OwtGenPPLTask(YamlClassTask):
+    """Unconditional generation (the context is the model's BOS: `unconditional_context`); all samples
+    are scored at once after generation.
+
+    For any model type: the budget is at most the model's length less that one token, and unless
+    ``--model_args`` name a blockgen ``sampler`` (whose settings then rule) the requests ask to sample
+    (``do_sample``) at the model argument ``temperature`` or 1.0, as the paper samples its AR
+    baselines; ``--gen_kwargs`` still override both."""
 
     def __init__(self, config: dict | None = None, **kwargs) -> None:
         super().__init__(config=config, **kwargs)
         from blockgen.harness.scorers import ScorerConfig, check_before_start
 
         # Fail before any sample is drawn: a bad setting, a missing scorer model, no vLLM, a busy port.
-        self.scorer_config = ScorerConfig.from_metadata(self.config.metadata or {})
+        metadata = self.config.metadata or {}
+        self.scorer_config = ScorerConfig.from_metadata(metadata)
         check_before_start(self.scorer_config)
+        from blockgen.tasks.model_info import model_max_length, unconditional_context
+
+        self._context = unconditional_context(metadata)
+        self._max_length = model_max_length(metadata)
+        # Into the task's generation_kwargs, so the results' configs record them; --gen_kwargs are
+        # merged over them later by lm-eval and win.
+        gen_kwargs = dict(self.config.generation_kwargs or {})
+        if self._max_length is not None:
+            gen_kwargs["max_gen_toks"] = self._budget(gen_kwargs)
+        if "sampler" not in metadata and not {"do_sample", "temperature"} & set(gen_kwargs):
+            gen_kwargs.update(do_sample=True, temperature=float(metadata.get("temperature") or 1.0))
+        self.config.generation_kwargs = gen_kwargs
+
+    def _budget(self, gen_kwargs: dict) -> int:
+        """At most the model's length less the BOS context."""
+        return min(int(gen_kwargs.get("max_gen_toks", self._max_length)), self._max_length - 1)
+
+    def construct_requests(self, doc: dict, ctx: str, **kwargs):
+        request = super().construct_requests(doc, ctx, **kwargs)
+        for inst in request if isinstance(request, list) else [request]:
+            context, gen_kwargs = inst.arguments
+            if self._max_length is not None:  # a --gen_kwargs max_gen_toks must fit too
+                gen_kwargs = {**gen_kwargs, "max_gen_toks": self._budget(gen_kwargs)}
+            inst.arguments = (context or self._context, gen_kwargs)
+        return request
 
     def apply_filters(self):
         super().apply_filters()
@@ -172,16 +204,16 @@ def _as_text(response: Any) -> str:
 def score_samples(samples: list[str], references: list[str], config) -> list[dict]:
     """Per sample: Gen PPL terms and unigram entropy under the scorer, MAUVE features of the sample
     and of its reference. Features come from the scorer model in process (vLLM serves no hidden
-    states); it is freed before a vLLM server starts."""
-    from blockgen.harness.scorers import TransformersScorer, open_scorer, score_texts
+    states); it is freed before a vLLM server starts, except inside a sweep (`blockgen sweep`), whose
+    settings share one copy (`scorers.borrow_featurizer`) and one server (``scorer_url``)."""
+    from blockgen.harness.scorers import borrow_featurizer, open_scorer, score_texts
 
-    featurizer = TransformersScorer(replace(config, backend="transformers"))
-    sample_features = featurizer.features(samples)
-    reference_features = featurizer.features(references)
-    if config.backend == "transformers":
-        scores = score_texts(featurizer, samples)
-    else:
-        del featurizer
+    with borrow_featurizer(config) as featurizer:
+        sample_features = featurizer.features(samples)
+        reference_features = featurizer.features(references)
+        if config.backend == "transformers":
+            scores = score_texts(featurizer, samples)
+    if config.backend != "transformers":
         with open_scorer(config) as scorer:
             scores = score_texts(scorer, samples)
     return [{"logprob": s.logprob, "tokens": s.tokens, "entropy": s.entropy,

@@ -234,7 +234,10 @@ def _check_run(out: Path, task: str, n: int) -> dict:
     assert isinstance(metrics["exact_match_stderr,sandbox"], float)
     assert results["n-samples"][task]["effective"] == n
     usage = results["config"]["blockgen"]["tasks"][task]["generate_until"]
-    (settings,) = usage["settings"]
+    from blockgen.harness.leaderboard import merge_budgets
+
+    (settings,) = merge_budgets(usage["settings"])  # rows whose prompts leave less room than max_gen_toks differ
+    assert settings["max_gen_toks"] == 32 and metrics["budget_hits,sandbox"] <= n
     assert settings["sampler"] == "arpc" and settings["steps"] == 4 and settings["ge"] == 2
     assert settings["paper_nfe_per_block"] == 4 + (4 - 1 - 0) // 2 + 1
     assert settings["model_calls_per_block"] > 0 and usage["model_calls"] == settings["model_calls"] > 0

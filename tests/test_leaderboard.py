@@ -134,11 +134,11 @@ def test_blockgen_leaderboard_add_turns_lm_eval_results_into_rows(results_file, 
     assert shown.returncode == 0 and "arpc" in shown.stdout and "word_perplexity" not in shown.stdout
 
 
-def test_results_not_from_blockgen_are_refused(tmp_path):
+def test_results_not_from_lm_eval_are_refused(tmp_path):
     path = tmp_path / "results.json"
-    path.write_text(json.dumps({"results": {}, "config": {"model": "hf"}}))
+    path.write_text(json.dumps({"results": {}, "config": {}}))
     out = cli("leaderboard", "add", path, "--to", tmp_path / "b.json")
-    assert out.returncode == 2 and "not written by `lm_eval --model blockgen`" in out.stderr
+    assert out.returncode == 2 and "not an lm-eval results file" in out.stderr
 
 
 # ------------------------------------------------------------------------------ the paper's rows
@@ -213,3 +213,22 @@ def test_plot_writes_the_accuracy_and_genppl_figures(tmp_path):
     for name in names:
         image = matplotlib.image.imread(tmp_path / "png" / name)
         assert image.shape[0] > 300 and image.shape[1] > 500 and image[..., :3].std() > 0.05  # drawn, not blank
+
+
+def test_settings_that_differ_only_in_their_budget_make_one_row():
+    """gsm8k_code gives each row the room its prompt leaves: the adapter reports one settings record
+    per budget; they merge (counts summed, calls per block recomputed), other settings stay apart."""
+    from blockgen.harness.leaderboard import merge_budgets
+
+    base = {"sampler": "arpc", "steps": 3, "ge": 2, "warmup": 1, "temperature": 0.1, "block_size": 16,
+            "layout": "grid", "paper_nfe_per_block": 4}
+    parts = [{**base, "max_gen_toks": 90, "requests": 3, "model_calls": 30, "blocks": 10, "generated_tokens": 150,
+              "generate_seconds": 1.5, "model_calls_per_block": 3.0},
+             {**base, "max_gen_toks": 75, "requests": 1, "model_calls": 12, "blocks": 2, "generated_tokens": 40,
+              "generate_seconds": 0.5, "model_calls_per_block": 6.0}]
+    (merged,) = merge_budgets(parts)
+    assert merged["max_gen_toks"] == 90 and merged["requests"] == 4 and merged["model_calls"] == 42
+    assert merged["blocks"] == 12 and merged["generated_tokens"] == 190 and merged["generate_seconds"] == 2.0
+    assert merged["model_calls_per_block"] == 42 / 12
+    assert merge_budgets(parts[:1]) == parts[:1]
+    assert len(merge_budgets([parts[0], {**parts[1], "temperature": 1.0}])) == 2

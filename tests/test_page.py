@@ -159,8 +159,10 @@ VALUES_JS = """[...document.querySelectorAll('table[data-task="gsm8k_code"] tbod
                .map(td => parseFloat(td.textContent))"""
 FROM_JS = """[...document.querySelectorAll('table[data-task="gsm8k_code"] tbody td[data-field="published"]')]
              .map(td => td.textContent)"""
-HEADER_JS = """(() => { const r = document.querySelector('table[data-task="gsm8k_code"] th[data-field="value"]')
-               .getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"""
+# scrolled into view first: the plots come before the tables, below the fold
+HEADER_JS = """(() => { const th = document.querySelector('table[data-task="gsm8k_code"] th[data-field="value"]');
+               th.scrollIntoView({block: "center"}); const r = th.getBoundingClientRect();
+               return [r.x + r.width / 2, r.y + r.height / 2]; })()"""
 SORT_JS = """document.querySelector('table[data-task="gsm8k_code"] th[data-field="value"]').getAttribute('aria-sort')"""
 
 
@@ -236,5 +238,86 @@ def test_headless_chromium_screenshot_and_sort_by_click(page, tmp_path):
         browser.evaluate("""(() => { const s = document.getElementById('filter-sampler'); s.value = 'arpc';
                             s.dispatchEvent(new Event('change')); })()""")
         assert browser.evaluate(VALUES_JS) == [0.31, 0.12]
+    finally:
+        browser.close()
+
+
+# ------------------------------------------------------------------------------ the comparison view
+
+
+def _with_outcomes(tmp: Path, name: str, outcomes: list[float]) -> str:
+    """A demo-style results file with its per-problem log beside it (X.json + X.samples.jsonl)."""
+    results = tmp / f"{name}.json"
+    results.write_text(json.dumps({"results": {"gsm8k_code": {"exact_match,sandbox": sum(outcomes) / len(outcomes)}}}))
+    (tmp / f"{name}.samples.jsonl").write_text("".join(
+        json.dumps({"doc_id": i, "doc_hash": f"h{i}", "exact_match": v}) + "\n" for i, v in enumerate(outcomes)))
+    return str(results)
+
+
+def _outcomes(both: int, a_only: int, b_only: int, neither: int) -> tuple[list[float], list[float]]:
+    pairs = [(1.0, 1.0)] * both + [(1.0, 0.0)] * a_only + [(0.0, 1.0)] * b_only + [(0.0, 0.0)] * neither
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+COMPARE_ROW_JS = """(() => {{ const tr = document.querySelector('table[data-task="gsm8k_code"] tr[data-id="{id}"]');
+    return Object.fromEntries([...tr.cells].map(td => [td.dataset.field, td.textContent])); }})()"""
+RADIO_JS = """(() => {{ const radio = document.querySelector('table[data-task="gsm8k_code"] tr[data-id="{id}"] input[type=radio]');
+    radio.scrollIntoView({{block: "center"}}); const r = radio.getBoundingClientRect();
+    return [r.x + r.width / 2, r.y + r.height / 2]; }})()"""
+
+
+def test_page_leads_with_the_comparison(tmp_path):
+    """Plots first; one row per setting with its outcome shares folded beside the accuracy (and the
+    entropy beside Gen PPL); a metric selector; a reference row picked by a click, every other row's
+    paired difference and interval as `blockgen leaderboard compare` computes them."""
+    from dataclasses import replace
+
+    from blockgen.harness.compare import compare_accuracy
+
+    a, b = _outcomes(both=40, a_only=9, b_only=1, neither=50)
+    row_a = gsm_row("m-a", "masked", "arpc", 4, sum(a) / 100, steps=3, ge=2, source=_with_outcomes(tmp_path, "a", a))
+    row_b = gsm_row("m-b", "masked", "ancestral", 4, sum(b) / 100, steps=4, source=_with_outcomes(tmp_path, "b", b))
+    shares = [replace(row_a, metric=f"outcome_{o}", value=v, stderr=None, higher_is_better=False)
+              for o, v in (("wrong_answer", 0.3), ("syntax_error", 0.1), ("timeout", 0.0))]
+    gen = Row(model="m-a", task="owt_genppl", metric="gen_ppl", value=120.5, sampler="arpc", steps=3, ge=2, warmup=0,
+              temperature=1.0, nfe_per_block=4, higher_is_better=False, source="g")
+    entropy = replace(gen, metric="unigram_entropy", value=5.25, higher_is_better=True)
+    write(Leaderboard([row_a, *shares, row_b, gen, entropy]), tmp_path / "board.json")
+    out = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "leaderboard", "page", str(tmp_path / "board.json"),
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = compare_accuracy(a, b)
+
+    def points(x: float) -> str:
+        return ("+" if x >= 0 else "\u2212") + f"{abs(100 * x):.1f}"
+
+    browser = DevTools(chromium(), tmp_path / "profile")
+    try:
+        browser.call("Page.enable", session=True)
+        browser.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH, height=HEIGHT,
+                     deviceScaleFactor=1, mobile=False)
+        browser.call("Page.navigate", session=True, url=(out / "index.html").as_uri())
+        browser.wait_for_event("Page.loadEventFired")
+        # plots come before the tables
+        assert browser.evaluate("!!(document.getElementById('plots').compareDocumentPosition("
+                                "document.getElementById('tables')) & Node.DOCUMENT_POSITION_FOLLOWING)")
+        # one row per setting: the shares are folded into A's row, largest first, zero shares left out
+        assert browser.evaluate(VALUES_JS) == [row_a.value, row_b.value]
+        cells_a = browser.evaluate(COMPARE_ROW_JS.format(id=0))
+        assert cells_a["folded"] == "wrong_answer 30.0% \u00B7 syntax_error 10.0%" and cells_a["diff"] == "\u2014"
+        assert browser.evaluate("""document.querySelector('table[data-task="owt_genppl"] td[data-field="folded"]')
+                                   .textContent""") == "unigram_entropy 5.25"
+        # B as the reference, by a click on its radio button: A's paired difference A - B and its interval
+        browser.click(*browser.evaluate(RADIO_JS.format(id=4)))
+        cells_a, cells_b = browser.evaluate(COMPARE_ROW_JS.format(id=0)), browser.evaluate(COMPARE_ROW_JS.format(id=4))
+        assert cells_b["diff"] == "reference"
+        assert cells_a["diff"] == f"{points(expected.difference)} ({points(expected.low)}..{points(expected.high)})"
+        assert expected.resolved and browser.evaluate(
+            """document.querySelector('table[data-task="gsm8k_code"] tr[data-id="0"] td[data-field="diff"]').className""") == "diff resolved"
+        # the metric selector: another metric's rows
+        browser.evaluate("""(() => { const s = document.getElementById('metric'); s.value = 'outcome_wrong_answer';
+                            s.dispatchEvent(new Event('change')); })()""")
+        assert browser.evaluate(VALUES_JS) == [0.3]
     finally:
         browser.close()

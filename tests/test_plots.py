@@ -134,3 +134,22 @@ def test_the_page_lists_the_frontier_png(tmp_path):
                                 page.read_text(), re.S).group(1))
     assert f"frontier_{TASK}_{MODEL}.png" in data["plots"]
     assert (page.parent / f"frontier_{TASK}_{MODEL}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accuracy_vs_nfe_is_scaled_to_the_data_with_error_bars(tmp_path, monkeypatch):
+    """Accuracies of 34-65 % fill the axis (not 0-65 %, where every line looks flat), each sampler's
+    line carries +-1 s.e. bars, and AR greedy's line a band."""
+    drawn = []
+    real_save = plots._save
+
+    def keep(plt, fig, path):
+        drawn.extend((ax.get_ylim(), [c.lines[0].get_color() for c in ax.containers], len(ax.patches)) for ax in fig.axes)
+        return real_save(plt, fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    (png,) = plots.accuracy_vs_nfe(sweep(), tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(drawn) == 2  # one panel per temperature
+    for (low, high), colours, bands in drawn:
+        assert 20 < low < 34 and 65 < high < 80
+        assert sorted(colours) == sorted(COLORS[s] for s in ("ancestral", "eipc", "arpc"))  # error bars per sampler
+        assert bands == 2  # AR greedy and AR sampled: +-1 s.e.

@@ -1,0 +1,97 @@
+"""The paper's sampler variants, grouped by NFE per block (tables 5-6, appendix D): the one place
+that lists them. The Makefile's grids, the adapter's ``nfe=N`` and the demo read them from here.
+
+A variant is (sampler, N_step, GE, warm-up). Its NFE label per block is N_step for ancestral and
+EIPC and N_step + floor((N_step - 1 - warm-up) / GE) + 1 for ARPC (`paper_nfe_per_block`; the
+tests check every entry against it). Where the paper lists several variants at one NFE, the first
+is the one ``nfe=N`` picks unless ``ge``/``warmup``/``steps`` say otherwise (the demo's choice:
+GE 2-4, no warm-up, except ARPC (3, 2, 1) at NFE 4).
+
+    python -m blockgen.harness.sampler_grid arpc --nfe 4 8          # defaults: 3:2:1 6:3:0
+    python -m blockgen.harness.sampler_grid eipc --all              # every EIPC variant, steps:ge:warmup
+
+This module imports nothing heavy (no torch): the Makefile calls it at parse time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NamedTuple
+
+NFES = (4, 8, 16, 32, 64)
+
+
+class Variant(NamedTuple):
+    sampler: str
+    steps: int
+    ge: int = 1
+    warmup: int = 0
+
+    def spec(self) -> str:
+        """steps:ge:warmup, as the Makefile's grids write a variant."""
+        return f"{self.steps}:{self.ge}:{self.warmup}"
+
+
+def _variants(sampler: str, specs: str) -> tuple[Variant, ...]:
+    return tuple(Variant(sampler, *map(int, s.split(":"))) for s in specs.split())
+
+
+# NFE per block -> variants, the default first.
+GRID: dict[str, dict[int, tuple[Variant, ...]]] = {
+    "ancestral": {n: (Variant("ancestral", n),) for n in NFES},
+    "eipc": {
+        4: _variants("eipc", "4:2:0 4:3:1"),
+        8: _variants("eipc", "8:3:0 8:2:6"),
+        16: _variants("eipc", "16:4:0 16:2:12"),
+        32: _variants("eipc", "32:4:0 32:2:20 32:2:26"),
+        64: _variants("eipc", "64:4:0 64:2:40 64:2:52 64:2:58"),
+    },
+    "arpc": {
+        4: _variants("arpc", "3:2:1 2:1:0 3:3:0"),
+        8: _variants("arpc", "6:3:0 4:1:0 5:2:0 7:2:5"),
+        16: _variants("arpc", "12:3:0 8:1:0 11:2:1 14:2:10 14:4:8"),
+        32: _variants("arpc", "24:3:0 16:1:0 21:2:0 28:2:20 30:2:26 30:4:24"),
+        64: _variants("arpc", "48:3:0 32:1:0 43:2:1 56:2:40 60:2:52 62:2:58 62:4:56"),
+    },
+}
+
+
+def variants(sampler: str, nfe: int) -> tuple[Variant, ...]:
+    if sampler not in GRID:
+        raise ValueError(f"nfe= picks a variant of {sorted(GRID)}; sampler {sampler!r} has none "
+                         "(AR samplers make one call per token)")
+    if nfe not in GRID[sampler]:
+        raise ValueError(f"the paper has no {sampler} variant at NFE {nfe} per block; choose nfe from {sorted(GRID[sampler])}")
+    return GRID[sampler][nfe]
+
+
+def pick(sampler: str, nfe: int, steps: int | None = None, ge: int | None = None, warmup: int | None = None) -> Variant:
+    """The variant at that NFE matching the settings given (None: any); the default when several match."""
+    given = {"steps": steps, "ge": ge, "warmup": warmup}
+    matching = [v for v in variants(sampler, nfe) if all(x is None or getattr(v, k) == x for k, x in given.items())]
+    if not matching:
+        listed = ", ".join(f"steps={v.steps},ge={v.ge},warmup={v.warmup}" for v in variants(sampler, nfe))
+        said = ",".join(f"{k}={x}" for k, x in given.items() if x is not None)
+        raise ValueError(f"no {sampler} variant at NFE {nfe} with {said}; the paper's are: {listed}")
+    return matching[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m blockgen.harness.sampler_grid", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sampler", choices=sorted(GRID))
+    parser.add_argument("--nfe", type=int, nargs="+", default=list(NFES), help="NFE per block (default: all)")
+    parser.add_argument("--all", action="store_true", help="every variant at each NFE, not only the default")
+    parser.add_argument("--steps-only", action="store_true", help="print N_step alone (ancestral's grid)")
+    args = parser.parse_args(argv)
+    try:
+        chosen = [v for n in args.nfe for v in (variants(args.sampler, n) if args.all else (pick(args.sampler, n),))]
+    except ValueError as err:
+        parser.error(str(err))
+    print(" ".join(str(v.steps) if args.steps_only else v.spec() for v in chosen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
