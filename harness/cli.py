@@ -5,8 +5,13 @@
     blockgen demo                      # the embedded default: train and evaluate the five demo models
     blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
     blockgen presets                   # list presets and their settings
+    blockgen gpu-check                 # first run on a GPU: one JSON summary (micro size on CPU)
+    blockgen prepare-data --preset owt-masked-mix   # tokenize the data once, before torchrun (same flags as train)
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
     blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page board.json
+    blockgen import hf:jdeschena/blockgen/<subfolder>   # convert a released checkpoint once (cached)
+    blockgen released names|check|plan                  # the paper's releases: names, hub check, dry-run cost
+    blockgen sweep owt-embedded --runs runs --dry-run    # a benchmark's grid: one model load per checkpoint, one scorer
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any, Literal, get_args, get_origin
 
 from blockgen.harness.demo import DemoConfig
+from blockgen.harness.gpu_check import GpuCheckConfig
 from blockgen.harness.train import DEMO_PRESETS, PRESETS, TrainConfig, preset
 from blockgen.harness.train_scorer import ScorerTrainConfig
 from blockgen.harness.wordproblems import DIFFICULTIES
@@ -81,13 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
                         help="the word-problem generator's level (default: the presets', 'easy')")
     sub.add_parser("presets", help="list the training presets")
+    check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU): training, generate(), lm_eval, scorers -> one JSON summary")
+    add_dataclass_options(check_p, GpuCheckConfig)
     scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
     add_dataclass_options(scorer_p, ScorerTrainConfig)
     sub.add_parser("sample", help="sample from a checkpoint (see `blockgen sample --help`)", add_help=False)
+    prep_p = sub.add_parser("prepare-data", help="tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)")
+    prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
+    add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
     hub_p = sub.add_parser("hub-check", help="exit 1 with a message unless the hub serves the given datasets and models")
-    hub_p.add_argument("--datasets", nargs="*", default=[])
-    hub_p.add_argument("--models", nargs="*", default=[])
+    hub_p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS),
+                       help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
+    hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
+    hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
+    sub.add_parser("import", help="convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once", add_help=False)
+    sub.add_parser("released", help="the paper's released checkpoints: names, hub check, dry-run cost", add_help=False)
+    sub.add_parser("sweep", help="a benchmark's sampler x NFE x temperature grid, one model load per checkpoint (see `blockgen sweep --help`)", add_help=False)
     sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot, HTML page (see `blockgen leaderboard --help`)", add_help=False)
     return parser
 
@@ -98,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         from blockgen.harness.sample import main as sample_main
 
         return sample_main(argv[1:])
+    if argv[:1] in (["import"], ["released"]):  # the paper's released checkpoints (harness/released.py)
+        from blockgen.harness.released import main as released_main
+
+        return released_main(argv if argv[0] == "import" else argv[1:])
+    if argv[:1] == ["sweep"]:  # its own parser: `blockgen sweep GRID [--dry-run]` (harness/sweep.py)
+        from blockgen.harness.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     if argv[:1] == ["leaderboard"]:  # its own parser: `blockgen leaderboard add|show|plot`
         from blockgen.harness.leaderboard import main as leaderboard_main
 
@@ -121,15 +145,35 @@ def main(argv: list[str] | None = None) -> int:
         base = ScorerTrainConfig()
         print(f"scorer: {train_scorer(replace(base, **given, data=replace(base.data, **data_over)))}")
         return 0
-    if args.command == "hub-check":
-        from blockgen.harness.hub import HubUnavailableError, check_reachable
+    if args.command == "prepare-data":
+        from blockgen.harness.prepare import prepare_data
 
+        config = config_from_args(args)
+        print(f"prepared: {prepare_data(config.data, config.seq_len)}")
+        return 0
+    if args.command == "hub-check":
+        from blockgen.harness.hub import HubUnavailableError, check_files
+
+        datasets, tokenizers = [(name, None, None) for name in args.datasets], []
+        for name in args.presets:
+            data = preset(name).data
+            if data.path is None and data.source in ("owt", "tinygsm"):
+                datasets.append((*data.hub_dataset(), "train"))
+            if data.tokenizer != "embedded":
+                tokenizers.append(data.tokenizer)
         try:
-            check_reachable(args.datasets, args.models)
+            check_files(list(dict.fromkeys(datasets)), list(dict.fromkeys(tokenizers)), args.models)
         except HubUnavailableError as err:
-            print(f"blockgen: the Hugging Face hub is needed here and unreachable: {err}.\n{args.hint}", file=sys.stderr)
+            print(f"blockgen: hub check failed: {err}.\n{args.hint}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "gpu-check":
+        from blockgen.harness.gpu_check import run_gpu_check
+
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "command"}
+        summary = run_gpu_check(GpuCheckConfig(**given))
+        print(json.dumps(summary, indent=2))
+        return 0 if summary["ok"] else 1
     if args.command == "demo":
         from blockgen.harness.demo import run_demo
 

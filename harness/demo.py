@@ -30,19 +30,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+# The demo's grid lives with the other grids in harness/sweep.py (`blockgen sweep demo --dry-run`).
+from blockgen.harness.sweep import DEMO_MAX_GEN_TOKS
+from blockgen.harness.sweep import DEMO_VARIANTS as DIFFUSION_VARIANTS
+from blockgen.harness.sweep import demo_samplers as samplers_for
 from blockgen.harness.train import DEMO_PRESETS, WARM_STARTS, TrainConfig, preset
 from blockgen.models.sampling import SamplerConfig
-
-# One (sampler, N_step, GE, warm-up) per NFE label of the paper (appendix D) and sampler, taken from
-# the paper's grids (tables 4-9 list several variants per NFE; the demo runs one of each).
-DIFFUSION_VARIANTS: dict[int, tuple[tuple[str, int, int, int], ...]] = {
-    4: (("ancestral", 4, 1, 0), ("eipc", 4, 2, 0), ("arpc", 3, 2, 1)),
-    8: (("ancestral", 8, 1, 0), ("eipc", 8, 3, 0), ("arpc", 6, 3, 0)),
-    16: (("ancestral", 16, 1, 0), ("eipc", 16, 4, 0), ("arpc", 12, 3, 0)),
-}
-# Tokens each answer may take (5 blocks of 16), leaving 48 of the demo's 128 for the prompt
-# (lm-eval's convention: a fixed generation budget, the prompt cut from the left to fit, counted).
-DEMO_MAX_GEN_TOKS = 80
 
 
 @dataclass(frozen=True)
@@ -65,21 +58,6 @@ class DemoConfig:
             raise ValueError(f"no sampler variants for NFE {unknown}; choose from {sorted(DIFFUSION_VARIANTS)}")
         if self.problems < 1 or self.jobs < 0:
             raise ValueError(f"problems={self.problems}, jobs={self.jobs}: need problems >= 1 and jobs >= 0")
-
-
-def samplers_for(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list[SamplerConfig]:
-    """The sampler settings a model supports: AR for block size 1, ancestral/EIPC for diffusion,
-    ARPC for mixtures with block size 1, and AR greedy on a mixture (its own speed-quality reference)."""
-    ar_greedy = SamplerConfig("ar_greedy")
-    if block_sizes == (1,):
-        return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
-    out = []
-    for t in temperatures:
-        for nfe in nfes:
-            for name, steps, ge, warmup in DIFFUSION_VARIANTS[nfe]:
-                if name != "arpc" or 1 in block_sizes:
-                    out.append(SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, temperature=t))
-    return out + ([ar_greedy] if 1 in block_sizes else [])
 
 
 def sampler_label(s: SamplerConfig) -> str:
@@ -189,7 +167,12 @@ def _provenance() -> dict:
 
 
 def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
-    """A results file from an earlier run that scored the checkpoint with this hash."""
+    """A results file from an earlier run that scored the checkpoint with this hash and kept its
+    per-problem samples (older runs did not: they are rerun, so comparisons can be paired)."""
+    from blockgen.harness.wordproblem_eval import samples_path
+
+    if not samples_path(results_path).is_file():
+        return False
     try:
         results = json.loads(results_path.read_text())
     except (OSError, json.JSONDecodeError):

@@ -29,6 +29,7 @@ choice wins (``config.blockgen.tasks``, see `Usage`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -60,7 +61,7 @@ from blockgen.harness.checkpoint import (
 )
 from blockgen.models.diffusion import RowGenerators
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.objectives import jensen_bound, lse_bound, sequence_nll_draws
+from blockgen.models.objectives import jensen_bound, lse_bound
 from blockgen.models.sampling import (
     AR_SAMPLERS,
     SamplerConfig,
@@ -85,18 +86,27 @@ AUTO_BATCH_SIZE_CPU = 16
 class BlockGenLMArgs:
     """``--model_args`` (typed by lm-eval's parser) plus ``batch_size``/``device``, parsed once."""
 
-    pretrained: str  # checkpoint directory (config.json, model.safetensors, tokenizer files)
+    pretrained: str  # checkpoint directory, or a release: hf:jdeschena/blockgen/<subfolder> or its local folder
     k_mc: int = 8  # Monte Carlo draws per block size for the likelihood bound
     seed: int | None = None  # None: the torch seed lm-eval set from --seed
     add_bos: bool = True  # start every context and prompt with BOS, as training examples do
     sampler: str | None = None  # None: 'ancestral', or for AR checkpoints 'ar_greedy' / 'ar_sample'
     steps: int | None = None  # reverse steps per block (NFE of ancestral/eipc); None: the block size
-    ge: int = 1
-    warmup: int = 0
+    ge: int | None = None  # None: 1, or the variant nfe= picks
+    warmup: int | None = None  # None: 0, or the variant nfe= picks
+    nfe: int | None = None  # the paper's variant at this NFE per block (harness/sampler_grid.py)
     temperature: float | None = None  # None: 1.0 (AR checkpoints: greedy unless a task asks to sample)
     block_size: int | None = None  # None: the checkpoint's largest block size
     max_gen_toks: int | None = None  # None: min(256, seq_len // 2)
     layout: str = "grid"  # where generated blocks sit: 'grid' (training's) or 'prompt_end'
+    # Released checkpoints only (harness/released.py): the tokenizer (a local copy, or for releases
+    # whose path names none), and the setting where the path does not say it (lists as 1:16).
+    tokenizer: str | None = None
+    algo: str | None = None
+    prior: str | None = None
+    block_sizes: str | int | None = None
+    block_weights: str | float | None = None
+    x0_causal: bool | None = None
     # set by lm-eval from --batch_size / --device / --max_batch_size, not by the user
     batch_size: int | str = 1
     device: str | None = None
@@ -118,9 +128,8 @@ class BlockGenLMArgs:
         if "batch_size" in values:
             values["batch_size"] = _batch_size(values["batch_size"])
         args = cls(**values)
-        for name, low in (("k_mc", 1), ("ge", 1), ("warmup", 0)):
-            _check_int(name, getattr(args, name), low)
-        for name, low in (("seed", None), ("steps", 1), ("block_size", 1), ("max_gen_toks", 1)):
+        _check_int("k_mc", args.k_mc, 1)
+        for name, low in (("seed", None), ("steps", 1), ("ge", 1), ("warmup", 0), ("nfe", 1), ("block_size", 1), ("max_gen_toks", 1)):
             if getattr(args, name) is not None:
                 _check_int(name, getattr(args, name), low)
         if args.temperature is not None and (not isinstance(args.temperature, (int, float)) or isinstance(args.temperature, bool)):
@@ -251,8 +260,8 @@ def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: 
     x, valid, condition, scored = x.to(device), valid.to(device), condition.to(device), scored.to(device)
     generators = PositionalRowGenerators(seeds, model.config.seq_len)
     dit = _KeepARLogits(model.dit)
-    draws = [sequence_nll_draws(dit, model.prior, x, scored, size, k_mc, model.schedule, condition, generators, valid)
-             for size in sizes]  # per size (K_i, B), K_i = 1 at block size 1 (exact)
+    # per size (K_i, B), K_i = 1 at block size 1 (exact); the model picks its family's bound
+    draws = [model.sequence_nll_draws(x, scored, size, k_mc, condition, generators, valid, net=dit) for size in sizes]
     nll = torch.stack([d.mean(0) for d in draws])
     lse, jensen = lse_bound(nll, weights), jensen_bound(nll, weights)
     log_w = torch.log(torch.tensor(weights, dtype=torch.float64, device=device))[:, None]
@@ -425,9 +434,16 @@ class BlockGenLM(TemplateLM):
         if args.seed is None:  # lm-eval seeded torch from --seed before building the model
             args = replace(args, seed=torch.initial_seed())
         self.args = args
+        # A release is converted once into a checkpoint directory (cached); its source is reported.
+        from blockgen.harness.released import ReleaseOverrides, release_source, resolve
+
+        overrides = ReleaseOverrides.from_model_args(args.algo, args.prior, args.block_sizes, args.block_weights,
+                                                     args.x0_causal, args.tokenizer)
+        self.checkpoint_dir = str(resolve(args.pretrained, overrides))
+        self.source = release_source(self.checkpoint_dir)
         # Everything checkable from config.json is checked before any weights load or ranks connect.
-        _check_checkpoint_dir(args.pretrained)
-        config = read_config(args.pretrained)
+        _check_checkpoint_dir(self.checkpoint_dir)
+        config = read_config(self.checkpoint_dir)
         self.sampler = self._default_sampler(config)
         self._gen_settings_cache: dict[str, tuple[SamplerConfig, list[str]]] = {}
         self._fewshot: dict[str, int] = {}  # task -> num_fewshot, from `check_tasks`
@@ -435,13 +451,34 @@ class BlockGenLM(TemplateLM):
         self._usage_by_rank: list[Usage] | None = None
 
         self._device, self._world_size, self._rank = _setup_device_and_ranks(args.device)
-        self.model, self.tokenizer = load_checkpoint(args.pretrained, self._device)
+        self.model, self.tokenizer = load_checkpoint(self.checkpoint_dir, self._device)
         self.special = checkpoint_special_tokens(self.model, self.tokenizer)
-        self.checkpoint_hash = checkpoint_hash(args.pretrained)
+        self.checkpoint_hash = checkpoint_hash(self.checkpoint_dir)
         self._batch_size = self._auto_batch_size() if args.batch_size == "auto" else args.batch_size
+        if args.batch_size == "auto":  # lm-eval records these in the results' config.batch_sizes
+            self.batch_sizes = {0: self._batch_size}
         if 1 not in config.block_sizes:
             log.warning("blockgen: block sizes %s have no AR component (1): loglikelihood's is_greedy is always False",
                         list(config.block_sizes))
+
+    # Model arguments that pick the weights; `with_settings` keeps them.
+    LOADED_ARGS = ("pretrained", "tokenizer", "algo", "prior", "block_sizes", "block_weights", "x0_causal")
+
+    def with_settings(self, **model_args: Any) -> "BlockGenLM":
+        """This model as if built with other `--model_args` (sampler, steps, k_mc, ...), sharing the
+        loaded weights: `blockgen sweep` evaluates many settings on one load. Arguments that pick the
+        weights must equal the loaded ones; the seed, batch size and device stay."""
+        changed = sorted(k for k in self.LOADED_ARGS if k in model_args and model_args[k] != getattr(self.args, k))
+        if changed:
+            raise ValueError(f"with_settings cannot change {changed}: they pick the loaded weights; build a new model")
+        kept = {k: getattr(self.args, k) for k in (*self.LOADED_ARGS, "seed", "batch_size", "device", "max_batch_size")}
+        args = BlockGenLMArgs.parse({**kept, **model_args})
+        other = copy.copy(self)  # shallow: the model, tokenizer and process group are shared
+        other.args = args
+        other.sampler = other._default_sampler(self.config)
+        other._gen_settings_cache, other._fewshot = {}, {}
+        other.usage, other._usage_by_rank = Usage(), None
+        return other
 
     def _default_sampler(self, config: BlockGenConfig) -> SamplerConfig:
         a = self.args
@@ -452,10 +489,15 @@ class BlockGenLM(TemplateLM):
         else:
             name = "ancestral"
         try:
+            steps, ge, warmup = a.steps, a.ge, a.warmup
+            if a.nfe is not None:  # the paper's variant at that NFE, narrowed by any steps/ge/warmup given
+                from blockgen.harness.sampler_grid import pick
+
+                _, steps, ge, warmup = pick(name, a.nfe, steps, ge, warmup)
             # steps defaults to the block size: one token per reverse step on average
-            steps = a.steps or resolve_block_size(config, SamplerConfig(name=name, block_size=a.block_size))
+            steps = steps or resolve_block_size(config, SamplerConfig(name=name, block_size=a.block_size))
             temperature = 1.0 if a.temperature is None else a.temperature
-            sampler = SamplerConfig(name=name, steps=steps, ge=a.ge, warmup=a.warmup, temperature=temperature,
+            sampler = SamplerConfig(name=name, steps=steps, ge=1 if ge is None else ge, warmup=warmup or 0, temperature=temperature,
                                     block_size=a.block_size, max_new_tokens=a.max_gen_toks or min(256, config.seq_len // 2),
                                     layout=a.layout)
         except ValueError as err:
@@ -554,7 +596,9 @@ class BlockGenLM(TemplateLM):
         cfg = self.config
         usage = Usage.merge(self._usage_by_rank) if self._usage_by_rank else self.usage
         return {
-            "model_checkpoint": os.path.abspath(self.args.pretrained),
+            # a released model is named by its source (hf:jdeschena/blockgen/<subfolder>), not the cache
+            "model_checkpoint": self.source or os.path.abspath(self.checkpoint_dir),
+            "model_source": self.source,
             "model_sha": self.checkpoint_hash,
             "model_num_parameters": self.model.dit.n_params(),
             "blockgen": {
@@ -566,6 +610,8 @@ class BlockGenLM(TemplateLM):
                 "seed": self.args.seed,
                 "add_bos": self.args.add_bos,
                 "sampler": {**asdict(self.sampler), "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
+                "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
+                "batch_size": self._batch_size,  # the size used, also when --batch_size auto chose it
                 "fingerprint": self.fingerprint,
                 "tasks": usage.report(),
             },

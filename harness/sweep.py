@@ -1,0 +1,560 @@
+"""`blockgen sweep`: the paper's evaluation grids, each model loaded once, one scorer per sweep.
+
+    blockgen sweep owt-embedded --runs runs/ci-pipeline --limit 8 --metadata '{"scorer_model": "runs/ci-pipeline/scorer-text"}'
+    blockgen sweep gsm8k --dry-run                        # one line per setting and the estimated cost
+    torchrun --nproc_per_node=8 -m blockgen.harness.cli sweep owt --runs runs --device cuda
+
+A grid (`GRIDS`, the one home of the benchmarks' grids; the variants by NFE come from
+`sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings. Per model:
+the likelihood task once, then per sampler family (`families`: AR decoding for block size 1 alone,
+ARPC for mixtures with block size 1, ancestral and EIPC otherwise) every variant at every
+temperature. Settings that decode the same way are run once (`ar_greedy` does not read the
+temperature: it runs at the grid's first one).
+
+Per checkpoint the process loads the model once and evaluates every setting on it through lm-eval's
+Python API (`lm_eval.simple_evaluate`), switching the sampler with `BlockGenLM.with_settings`; the torch
+random state at each setting's start is the one a fresh `lm_eval` process would have, so a setting's
+results equal the per-process command's. Each setting writes its own lm-eval results and samples
+(``--log_samples``: per-problem / per-sample outcomes) under ``<out-dir>/<model run>/<setting>/``,
+the folders the per-process Makefile used; a rerun skips a setting whose results record the same
+setting, checkpoint hash, limit and task metadata. Under torchrun the settings run data parallel
+(rank 0 writes). The demo's grid (`demo`) is listed here too; `blockgen demo` runs it on its own
+worker pool (harness/demo.py imports `demo_samplers`).
+
+Scorers: the `owt_genppl` settings of a sweep share one scorer: one vLLM server per process (per GPU
+under torchrun), started before the first such setting and stopped at the end, handed to the task as
+``scorer_url``; and one in-process copy of the scorer model for MAUVE's features (and for the scores
+with the transformers backend): `scorers.shared_scorers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from blockgen.harness.sampler_grid import GRID, NFES, Variant, pick
+
+Benchmark = Literal["owt", "tinygsm"]
+AR_RUNS = (Variant("ar_greedy", 1), Variant("ar_sample", 1))
+LIKELIHOOD = "likelihood"
+GENPPL_TASKS = ("owt_genppl", "owt_genppl_embedded")
+
+
+def _all(sampler: str, nfes: Iterable[int] = NFES) -> tuple[Variant, ...]:
+    return tuple(v for n in nfes for v in GRID[sampler][n])
+
+
+def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[Variant, ...]:
+    return tuple(pick(sampler, n) for n in nfes)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One benchmark's sweep: models x (likelihood task + generation settings)."""
+
+    benchmark: Benchmark
+    models: tuple[str, ...]
+    generation_task: str
+    likelihood_task: str | None
+    temperatures: tuple[float, ...]
+    ancestral_nfe: tuple[int, ...]
+    eipc: tuple[Variant, ...]
+    arpc: tuple[Variant, ...]
+    k_mc: int = 8
+    limit: int | None = None
+    batch_size: int = 32
+    offline: bool = False  # the embedded presets (`<benchmark>-embedded-<model>`), CPU scale
+    released: bool = False  # the paper's released checkpoints (harness/released.py), not this project's runs
+    demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
+    model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
+
+    def run_name(self, model: str) -> str:
+        """The model's run folder (its checkpoint, and its results folder under the results dir)."""
+        if self.released:
+            return f"released/{self.benchmark}-{model}"
+        if self.demo:
+            return model
+        return f"{self.benchmark}{'-embedded' if self.offline else ''}-{model}"
+
+
+_OWT_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
+_GSM_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix")
+_OWT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
+# OWT's ARPC: the defaults at NFE 8-32 and the paper's NFE-64 variant with GE 2.
+_OWT_ARPC = (*_defaults("arpc", (8, 16, 32)), pick("arpc", 64, 60, 2, 52))
+_FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32)
+_OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, offline=True)
+
+# The demo's grid (`blockgen demo` schedules it on its own worker pool, harness/demo.py): per NFE the
+# default variant of each diffusion sampler (`nfe=N`'s pick), ARPC only with block size 1; AR greedy
+# beside the mixtures as their speed-quality reference. DEMO_MAX_GEN_TOKS: the tokens each answer may
+# take at most (5 blocks of 16): gsm8k_code gives each row the smaller of this and the room its prompt
+# leaves in the demo's 128, so a longer prompt shortens the budget instead of being cut (`budget_hits`
+# counts the rows that used all of it).
+DEMO_NFES = (4, 8, 16)
+DEMO_VARIANTS: dict[int, tuple[Variant, ...]] = {n: tuple(pick(name, n) for name in ("ancestral", "eipc", "arpc"))
+                                                 for n in DEMO_NFES}
+DEMO_MAX_GEN_TOKS = 80
+
+
+def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list:
+    """The demo's samplers for a model (SamplerConfig): AR decoding for block size 1 alone; else every
+    NFE's variants at every temperature, ARPC where block size 1 is in the mixture, then AR greedy."""
+    from blockgen.models.sampling import SamplerConfig
+
+    ar_greedy = SamplerConfig("ar_greedy")
+    if tuple(block_sizes) == (1,):
+        return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
+    out = [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=t)
+           for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
+    return out + ([ar_greedy] if 1 in block_sizes else [])
+
+
+def _demo_models() -> tuple[str, ...]:
+    from blockgen.harness.train import DEMO_PRESETS
+
+    return DEMO_PRESETS
+
+
+GRIDS: dict[str, Grid] = {
+    "owt": Grid("owt", _OWT_MODELS, "owt_genppl", "owt_ppl", _OWT_TEMPS, arpc=_OWT_ARPC, **_FULL),
+    "gsm8k": Grid("tinygsm", _GSM_MODELS, "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"), **_FULL),
+    "owt-embedded": Grid("owt", ("ar", "masked-mix", "uniform-mix"), "owt_genppl_embedded", "owt_ppl_embedded", (1.0,),
+                         arpc=(pick("arpc", 8),), **_OFFLINE),
+    "gsm8k-embedded": Grid("tinygsm", ("ar", "masked-16", "masked-mix"), "gsm8k_code_embedded", None, (0.1,),
+                           arpc=_defaults("arpc", (4, 8)), **_OFFLINE),
+    "released-owt": Grid("owt", ("ar", "mdlm", "duo", *_OWT_MODELS[1:]), "owt_genppl", "owt_ppl", _OWT_TEMPS,
+                         arpc=_OWT_ARPC, released=True, **_FULL),
+    "released-gsm8k": Grid("tinygsm", ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "masked-mix", "uniform-mix",
+                                       "masked-mix32", "uniform-mix32"), "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"),
+                           released=True, **_FULL),
+    "demo": Grid("tinygsm", _demo_models(), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
+                 k_mc=8, batch_size=16, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+}
+
+
+def grid(name: str) -> Grid:
+    if name not in GRIDS:
+        raise ValueError(f"no grid {name!r}; choose one of {sorted(GRIDS)}")
+    return GRIDS[name]
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One lm-eval run: a task on a checkpoint with one sampler variant and temperature (likelihood:
+    no sampler)."""
+
+    run: str  # the model's run name (Grid.run_name)
+    checkpoint: str  # pretrained=
+    task: str
+    variant: Variant | None = None
+    temperature: float | None = None
+    extra: tuple[tuple[str, Any], ...] = ()  # the grid's further model arguments
+
+    @property
+    def label(self) -> str:
+        """The setting's results folder: sampler-steps-ge-warmup-T<temperature>, or 'likelihood'."""
+        if self.variant is None:
+            return LIKELIHOOD
+        return f"{self.variant.sampler}-{self.variant.spec().replace(':', '-')}-T{self.temperature}"
+
+    def model_args(self, k_mc: int) -> dict[str, Any]:
+        """The blockgen `--model_args`, as the per-process Makefile command passed them."""
+        args: dict[str, Any] = {"pretrained": self.checkpoint, "k_mc": k_mc}
+        if self.variant is not None:
+            v = self.variant
+            args.update(sampler=v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=self.temperature)
+        return {**args, **dict(self.extra)}
+
+    def key(self, k_mc: int) -> str:
+        """What decides the results: greedy AR decoding does not read the temperature."""
+        args = self.model_args(k_mc)
+        if args.get("sampler") == "ar_greedy":
+            args.pop("temperature")
+        return json.dumps([self.task, args], sort_keys=True)
+
+
+def families(block_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The samplers the paper runs on a model: AR decoding (block size 1 alone), ARPC (a mixture with
+    block size 1), else ancestral and EIPC (single block sizes, MDLM, Duo)."""
+    if tuple(block_sizes) == (1,):
+        return ("ar",)
+    if 1 in block_sizes:
+        return ("arpc",)
+    return ("ancestral", "eipc")
+
+
+def variants(g: Grid, block_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
+    if g.demo:
+        return tuple(dict.fromkeys(Variant(s.name, 1) if s.is_ar else Variant(s.name, s.steps, s.ge, s.warmup)
+                                   for s in demo_samplers(block_sizes, g.temperatures[:1], g.ancestral_nfe)))
+    out: list[Variant] = []
+    for family in families(block_sizes):
+        out += {"ar": AR_RUNS, "arpc": g.arpc, "eipc": g.eipc,
+                "ancestral": tuple(Variant("ancestral", n) for n in g.ancestral_nfe)}[family]
+    return tuple(out)
+
+
+def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
+    """From the checkpoint when it exists, else from the preset (or the release's path) it will come from."""
+    if not g.released and (Path(checkpoint) / "config.json").is_file():
+        from blockgen.harness.checkpoint import read_config
+
+        return tuple(read_config(checkpoint).block_sizes)
+    if g.released:
+        from blockgen.harness.released import DATASETS, RELEASES, parse_release_path
+
+        setting = parse_release_path(RELEASES[f"{g.benchmark}-{model}"])
+        if setting.block_sizes:
+            return tuple(setting.block_sizes)
+        return (1,) if setting.algo == "ar" else (DATASETS[setting.dataset].seq_len,)
+    from blockgen.harness.train import preset
+
+    return tuple(preset(model if g.demo else g.run_name(model)).block_sizes)
+
+
+def checkpoint_of(g: Grid, model: str, runs: str) -> str:
+    if g.released:
+        from blockgen.harness.released import release_spec
+
+        return release_spec(f"{g.benchmark}-{model}")
+    return str(Path(runs) / g.run_name(model) / "checkpoint")
+
+
+def settings(g: Grid, runs: str = "runs") -> list[Setting]:
+    """Every setting of a grid, deduplicated (the first of equal settings is kept), per model:
+    likelihood first, then variant by variant, each at every temperature."""
+    out: dict[str, Setting] = {}
+    for model in g.models:
+        run, ckpt = g.run_name(model), checkpoint_of(g, model, runs)
+        todo = [Setting(run, ckpt, g.likelihood_task, extra=g.model_args)] if g.likelihood_task else []
+        todo += [Setting(run, ckpt, g.generation_task, v, t, g.model_args)
+                 for v in variants(g, model_block_sizes(g, model, ckpt)) for t in g.temperatures]
+        for s in todo:
+            out.setdefault(s.key(g.k_mc), s)
+    return list(out.values())
+
+
+# ------------------------------------------------------------------------------ cost
+
+
+def estimate(g: Grid, s: Setting, model: str) -> tuple[float | None, str]:
+    """(derived H200-seconds or None, the work counted) of one setting. Full scale reuses the released
+    checkpoints' cost model (`released.plan_cost`: this project's presets are the paper's networks);
+    offline grids count model calls only (micro models on CPU: see the README's measured sweep)."""
+    from blockgen.harness.released import RELEASES, plan_cost
+
+    run = LIKELIHOOD if s.variant is None else f"{s.variant.sampler}:{s.variant.spec()}"
+    name = f"{g.benchmark}-{model}"
+    if not g.offline and name in RELEASES:
+        return plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
+    from blockgen.models.sampling import SamplerConfig, calls_per_block
+
+    n = g.limit or "all"
+    if s.variant is None:
+        return None, f"{n} sequences x {g.k_mc} draws per block size"
+    v = s.variant
+    if v.sampler.startswith("ar_"):
+        return None, f"{n} samples, one call per token"
+    block = max(model_block_sizes(g, model, s.checkpoint))
+    calls = calls_per_block(SamplerConfig(name=v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, block_size=block), block)
+    return None, f"{n} samples x {calls} calls per block"
+
+
+def dry_run(g: Grid, todo: list[Setting], out=None) -> float:
+    """One line per setting with its estimated cost; returns the total H200-seconds (0 offline)."""
+    out = out or sys.stdout
+    total = 0.0
+    models = {g.run_name(m): m for m in g.models}
+    print(f"# blockgen sweep: {len(todo)} settings on {len(models)} models, each model loaded once; "
+          "cost derived (H200-hours: REFERENCE.md's training-step timings, generation a lower bound)", file=out)
+    for s in todo:
+        seconds, what = estimate(g, s, models[s.run])
+        total += seconds or 0.0
+        cost = f"{seconds / 3600:.3f} H200-h" if seconds is not None else "-"
+        t = "" if s.temperature is None else f"T={s.temperature}"
+        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {cost}  ({what})", file=out)
+    print(f"total: {len(todo)} settings, {len(models)} model loads, "
+          + (f"{total / 3600:.1f} H200-hours (derived)" if total else "cost: counted work only (offline grid)"), file=out)
+    return total
+
+
+# ------------------------------------------------------------------------------ running
+
+
+@dataclass
+class SweepConfig:
+    grid: str
+    runs: str = "runs"  # the models' run folders (this project's checkpoints)
+    out_dir: str | None = None  # results root (default: <runs>/results, the Makefile's)
+    models: tuple[str, ...] | None = None  # a subset of the grid's models
+    temperatures: tuple[float, ...] | None = None
+    limit: int | None = None
+    k_mc: int | None = None
+    batch_size: int | None = None
+    device: str = "cpu"
+    metadata: dict = field(default_factory=dict)  # task metadata for every setting (e.g. scorer_model)
+    dry_run: bool = False
+    progress: bool = True
+
+    def resolved_grid(self) -> Grid:
+        g = grid(self.grid)
+        if self.models is not None:
+            unknown = sorted(set(self.models) - set(g.models))
+            if unknown and g.released:
+                raise ValueError(f"grid {self.grid} has no models {unknown}; choose from {list(g.models)}")
+            g = replace(g, models=tuple(self.models))
+        for name in ("temperatures", "limit", "k_mc", "batch_size"):
+            if getattr(self, name) is not None:
+                g = replace(g, **{name: getattr(self, name)})
+        return g
+
+    def results_root(self) -> Path:
+        return Path(self.out_dir or Path(self.runs) / "results")
+
+
+@dataclass
+class SweepReport:
+    settings: int = 0
+    ran: int = 0
+    skipped: int = 0
+    model_loads: int = 0
+    vllm_starts: int = 0
+    scorer_loads: int = 0  # in-process scorer models (MAUVE's features; scores with the transformers backend)
+    seconds: float = 0.0
+
+
+def _results_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*/results_*.json")) if folder.is_dir() else []
+
+
+def _mark(s: Setting, g: Grid, sha: str, metadata: dict) -> dict:
+    """What a results file must record to stand for a setting: the setting (model arguments and task),
+    the checkpoint's hash, the limit and the sweep's task metadata (scorer, sample count, ...)."""
+    return {"setting": s.key(g.k_mc), "checkpoint_sha": sha, "limit": g.limit,
+            "metadata": json.loads(json.dumps(metadata, sort_keys=True))}
+
+
+def _done(folder: Path, mark: dict) -> bool:
+    """A results file of this setting on this checkpoint (hash), with this limit and metadata, exists."""
+    for path in _results_files(folder):
+        try:
+            found = json.loads(path.read_text()).get("blockgen_sweep", {})
+        except (OSError, ValueError):
+            continue
+        if {k: found.get(k) for k in mark} == mark:
+            return True
+    return False
+
+
+class _Scorers:
+    """The sweep's scorers: the shared in-process copy (`scorers.shared_scorers`) and, when a genppl
+    setting wants vLLM, one server for the whole sweep (per process), started at the first such setting."""
+
+    def __init__(self, metadata: dict, device: str) -> None:
+        from contextlib import ExitStack
+
+        from blockgen.harness.scorers import shared_scorers
+
+        self.metadata, self.device = metadata, device
+        self.server = None
+        self._server_config: dict[str, Any] = {}  # task -> the ScorerConfig of the server it wants (None: none)
+        self._stack = ExitStack()
+        self._stack.enter_context(shared_scorers())
+
+    def metadata_for(self, task_name: str, task_metadata: dict) -> dict:
+        """The metadata of a genppl setting: the sweep's server as scorer_url when the task scores with vLLM
+        (its scorer settings come from the task's YAML and the sweep's metadata, the same for every setting)."""
+        from blockgen.harness.scorers import VLLMServer, require_cuda_build, vllm_build, vllm_python
+
+        if task_name not in self._server_config:  # build the task once to read its scorer settings
+            config = _task_manager(task_metadata).load([task_name])["tasks"][task_name].scorer_config
+            self._server_config[task_name] = config if config.backend == "vllm" and not config.url else None
+        config = self._server_config[task_name]
+        if config is None:
+            return task_metadata
+        if self.server is None:
+            if self.device.startswith("cuda"):
+                require_cuda_build(vllm_build(vllm_python(config.vllm_python)))
+            self.server = VLLMServer(config)
+            self._stack.callback(self.server.stop)
+            self.server.start()
+        return {**task_metadata, "scorer_url": self.server.url}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _task_manager(metadata: dict):
+    """The tasks with a setting's metadata. Only this project's folder is indexed: milliseconds, where
+    lm-eval's few thousand tasks take seconds per setting."""
+    from lm_eval.tasks import TaskManager
+
+    from blockgen.lm_eval import tasks_dir
+
+    return TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
+
+
+def _load_model(setting: Setting, g: Grid, device: str):
+    """The model as a fresh `lm_eval` process builds it (seeded first), and the torch random state after."""
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+
+    from blockgen.harness.lm_eval_adapter import BlockGenLM
+
+    torch.manual_seed(DEFAULT_OTHER_SEED)  # what a fresh `lm_eval` process seeds torch with before building it
+    lm = BlockGenLM(pretrained=setting.checkpoint, k_mc=g.k_mc, batch_size=g.batch_size, device=device)
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return lm, (torch.get_rng_state(), cuda)
+
+
+def _restore(state) -> None:
+    import torch
+
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def run_sweep(config: SweepConfig) -> SweepReport:
+    g = config.resolved_grid()
+    todo = settings(g, config.runs)
+    if config.dry_run:
+        dry_run(g, todo)
+        return SweepReport(settings=len(todo))
+    import blockgen.lm_eval
+    from blockgen.harness import scorers
+    from blockgen.harness.checkpoint import checkpoint_hash
+    from tqdm.auto import tqdm
+
+    blockgen.lm_eval.register()
+    begin, starts = time.perf_counter(), dict(scorers.STARTS)
+    report = SweepReport(settings=len(todo))
+    root = config.results_root()
+    pool = _Scorers(config.metadata, config.device)
+    by_checkpoint: dict[str, list[Setting]] = {}
+    for s in todo:
+        by_checkpoint.setdefault(s.checkpoint, []).append(s)
+    bar = None
+    try:
+        for checkpoint, group in by_checkpoint.items():
+            group = [replace(s, checkpoint=str(_resolved(s.checkpoint, g))) for s in group]
+            sha = checkpoint_hash(group[0].checkpoint)
+            pending = [s for s in group if not _done(root / s.run / s.label, _mark(s, g, sha, config.metadata))]
+            report.skipped += len(group) - len(pending)
+            if bar is None:
+                bar = tqdm(total=len(todo), desc="blockgen sweep", unit="setting",
+                           disable=not config.progress or int(os.environ.get("RANK", "0")) != 0)
+            bar.update(len(group) - len(pending))
+            if not pending:
+                continue
+            lm, rng = _load_model(group[0], g, config.device)
+            report.model_loads += 1
+            lm.barrier()  # every rank decided what to skip before rank 0 writes anything
+            for s in pending:
+                bar.set_postfix_str(f"{s.run} {s.label}", refresh=True)
+                _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device)
+                report.ran += 1
+                bar.update(1)
+            del lm
+    finally:
+        if bar is not None:
+            bar.close()
+        pool.close()
+    report.vllm_starts = scorers.STARTS["vllm"] - starts.get("vllm", 0)
+    report.scorer_loads = scorers.STARTS["transformers"] - starts.get("transformers", 0)
+    report.seconds = time.perf_counter() - begin
+    return report
+
+
+def _resolved(checkpoint: str, g: Grid) -> Path | str:
+    """A release converted once into a checkpoint folder (the tasks read `pretrained` from their metadata)."""
+    if not g.released:
+        return checkpoint
+    from blockgen.harness.released import resolve
+
+    return resolve(checkpoint)
+
+
+def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.defaults import DEFAULT_OTHER_SEED
+    from lm_eval.loggers import EvaluationTracker
+
+    args = s.model_args(g.k_mc)
+    metadata = {**args, **pool.metadata}  # as lm_eval's CLI: --model_args, then --metadata over them
+    if s.task in GENPPL_TASKS:
+        metadata = pool.metadata_for(s.task, metadata)
+    tracker = EvaluationTracker(output_path=str(folder))
+    _restore(rng)  # the random state a fresh process has when it starts evaluating
+    results = simple_evaluate(
+        model=lm.with_settings(**args), model_args=args, tasks=[s.task], batch_size=g.batch_size, device=device,
+        limit=g.limit, log_samples=True, evaluation_tracker=tracker, task_manager=_task_manager(metadata),
+        torch_random_seed=None, metadata=None)
+    if results is None:  # ranks other than 0
+        return
+    # What the `lm_eval` command records for the same run (it names the model type, not the class).
+    results["config"].update(model="blockgen", torch_seed=DEFAULT_OTHER_SEED)
+    tracker.general_config_tracker.model_source = "blockgen"
+    results["blockgen_sweep"] = {**_mark(s, g, lm.checkpoint_hash, pool.metadata), "label": s.label}
+    samples = results.pop("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for name in results["configs"]:
+        tracker.save_results_samples(task_name=name, samples=samples[name])
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="blockgen sweep", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("grid", choices=sorted(GRIDS), help="the benchmark's grid")
+    parser.add_argument("--runs", default="runs", help="folder of the models' run folders (<benchmark>[-embedded]-<model>/checkpoint)")
+    parser.add_argument("--out-dir", default=None, help="results root (default: RUNS/results)")
+    parser.add_argument("--models", nargs="+", default=None, help="a subset of the grid's models (default: all)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=None)
+    parser.add_argument("--limit", type=int, default=None, help="problems / samples / chunks per setting (default: the grid's)")
+    parser.add_argument("--k-mc", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per torchrun rank)")
+    parser.add_argument("--metadata", type=json.loads, default={}, help="task metadata (JSON) for every setting, as lm_eval's")
+    parser.add_argument("--dry-run", action="store_true", help="print one line per setting and the estimated cost; run nothing")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    def tup(x):
+        return None if x is None else tuple(x)
+
+    return SweepConfig(grid=args.grid, runs=args.runs, out_dir=args.out_dir, models=tup(args.models),
+                       temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
+                       device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        report = run_sweep(config)
+    except ValueError as err:
+        print(f"blockgen sweep: {err}", file=sys.stderr)
+        return 2
+    if not config.dry_run and int(os.environ.get("RANK", "0")) == 0:
+        print("sweep: " + json.dumps(report.__dict__))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""`blockgen sweep` (harness/sweep.py): grids, deduplication, one model load and one scorer per sweep.
+
+- Every named grid's dry run (the real CLI) lists no setting twice; greedy AR decoding runs once
+  whatever the temperatures; the sampler families follow the block sizes.
+- `BlockGenLM.with_settings` on one loaded model generates exactly what a model built with those
+  arguments generates.
+- A real sweep of 3 `owt_genppl_embedded` settings on a micro mixture, scored through vLLM (the
+  `make vllm-env` environment): one model load, ONE vLLM server, one in-process scorer copy, one
+  results file with its samples per setting; a rerun skips them all and starts nothing; another
+  limit, scorer setting or checkpoint is not skipped.
+- The vLLM server's flags on a CUDA build (float16, GPU share), the GPU of each torchrun rank (also
+  under an inherited CUDA_VISIBLE_DEVICES), `check-vllm` refusing a CPU build for CUDA, and the
+  in-process scorer shared inside a sweep only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from blockgen.harness import sweep
+from blockgen.harness.sampler_grid import Variant
+from blockgen.harness.sweep import GRIDS, Grid, Setting, SweepConfig, families, run_sweep, settings
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_dry_run_lists_no_setting_twice(name):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert sweep.main([name, "--dry-run"]) == 0
+    lines = [line for line in out.getvalue().splitlines() if not line.startswith(("#", "total:"))]
+    g = GRIDS[name]
+    todo = settings(g)
+    assert len(lines) == len(todo) > 0
+    assert len(set(lines)) == len(lines)  # no line twice
+    assert len({s.key(g.k_mc) for s in todo}) == len(todo)
+    assert len({(s.run, s.task, s.label) for s in todo}) == len(todo)  # one results folder per setting
+    assert f"total: {len(todo)} settings, {len(g.models)} model loads" in out.getvalue()
+
+
+def test_greedy_runs_once_whatever_the_temperature():
+    g = GRIDS["owt"]
+    ar = [s for s in settings(g) if s.run == "owt-ar" and s.variant is not None]
+    greedy = [s for s in ar if s.variant.sampler == "ar_greedy"]
+    sampled = [s for s in ar if s.variant.sampler == "ar_sample"]
+    assert len(greedy) == 1 and greedy[0].temperature == g.temperatures[0]
+    assert sorted(s.temperature for s in sampled) == sorted(g.temperatures)
+    # the per-process grid's count, less the 7 repeated greedy runs
+    assert len(settings(g)) == len(g.models) + sum(
+        len(sweep.variants(g, sweep.model_block_sizes(g, m, ""))) * len(g.temperatures) for m in g.models) - 7
+
+
+def test_sampler_families_follow_block_sizes():
+    assert families((1,)) == ("ar",)
+    assert families((1, 16)) == ("arpc",) and families((1, 2, 4, 8, 16)) == ("arpc",)
+    assert families((16,)) == families((1024,)) == ("ancestral", "eipc")
+    s = Setting("r", "ckpt", "t", Variant("arpc", 6, 3, 0), 1.0)
+    assert s.label == "arpc-6-3-0-T1.0"  # the per-process Makefile's results folder
+    assert s.model_args(2) == {"pretrained": "ckpt", "k_mc": 2, "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 0,
+                               "temperature": 1.0}
+
+
+# ------------------------------------------------------------------------------ real runs
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("sweep")
+    r = run(BIN / "blockgen", "train", "--preset", "ci", "--out-dir", work / "runs" / "owt-embedded-mix",
+            "--data.source", "text", "--data.vocab-size", "512", "--data.cache-dir", work / "data", "--data.n-val", "8",
+            "--seq-len", "48", "--block-sizes", "1", "4", "--block-weights", "0.3", "0.7", "--max-steps", "10",
+            "--eval-every", "1000", "--save-every", "1000", "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(BIN / "blockgen", "train-scorer", "--out-dir", work / "scorer", "--seq-len", "32", "--n-layers", "2",
+            "--max-steps", "10", "--data.vocab-size", "384", "--data.cache-dir", work / "data", "--data.n-val", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return work
+
+
+def test_with_settings_generates_what_a_fresh_model_generates(work):
+    import torch
+
+    from blockgen.harness.lm_eval_adapter import BlockGenLM
+
+    ckpt = str(work / "runs" / "owt-embedded-mix" / "checkpoint")
+    prompts = ["The", "In a module", ""]
+
+    class Req:
+        def __init__(self, i, text):
+            self.args, self.task_name, self.doc_id, self.idx = (text, {"until": [], "max_gen_toks": 12}), "t", i, 0
+
+    requests = [Req(i, p) for i, p in enumerate(prompts)]
+    base = BlockGenLM(pretrained=ckpt, k_mc=2, seed=7, device="cpu", batch_size=2)
+    for args in ({"sampler": "arpc", "steps": 3, "ge": 2, "warmup": 1, "temperature": 0.8},
+                 {"sampler": "ancestral", "steps": 2, "temperature": 1.2}, {"sampler": "ar_greedy"}):
+        switched = base.with_settings(pretrained=ckpt, k_mc=2, **args)
+        fresh = BlockGenLM(pretrained=ckpt, k_mc=2, seed=7, device="cpu", batch_size=2, **args)
+        assert switched.sampler == fresh.sampler and switched.fingerprint == fresh.fingerprint
+        assert switched.generate_until(requests, disable_tqdm=True) == fresh.generate_until(requests, disable_tqdm=True)
+        assert switched.model is base.model  # the weights are shared, not reloaded
+    assert base.sampler.name == "ancestral"  # the loaded instance keeps its own settings
+    with pytest.raises(ValueError, match="pick the loaded weights"):
+        base.with_settings(pretrained="elsewhere")
+
+
+def vllm_python() -> str:
+    python = os.environ.get("BLOCKGEN_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        if os.environ.get("CI"):
+            pytest.fail("CI: the vLLM environment is missing (make vllm-env)")
+        pytest.skip("no vLLM environment (make vllm-env, or set BLOCKGEN_VLLM_PYTHON)")
+    return python
+
+
+def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work, monkeypatch):
+    python = vllm_python()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    temperatures = (0.8, 1.0, 1.2)
+    monkeypatch.setitem(GRIDS, "test-genppl", Grid(
+        "owt", ("mix",), "owt_genppl_embedded", None, temperatures, ancestral_nfe=(), eipc=(),
+        arpc=(Variant("arpc", 3, 2, 1),), k_mc=2, limit=2, batch_size=2, offline=True))
+    metadata = {"scorer": "vllm", "scorer_model": str(work / "scorer"), "scorer_vllm_python": python, "num_samples": 2}
+    config = SweepConfig("test-genppl", runs=str(work / "runs"), metadata=metadata, progress=False)
+    report = run_sweep(config)
+    assert (report.ran, report.skipped, report.model_loads) == (3, 0, 1)
+    assert report.vllm_starts == 1  # one server for every owt_genppl setting
+    assert report.scorer_loads == 1  # one in-process copy for MAUVE's features
+    for t in temperatures:
+        folder = work / "runs" / "results" / "owt-embedded-mix" / f"arpc-3-2-1-T{t}"
+        (path,) = folder.glob("*/results_*.json")
+        results = json.loads(path.read_text())
+        assert math.isfinite(results["results"]["owt_genppl_embedded"]["gen_ppl,none"])
+        assert results["config"]["blockgen"]["sampler"]["temperature"] == t
+        assert results["config"]["model"] == "blockgen"
+        assert results["configs"]["owt_genppl_embedded"]["metadata"]["scorer_url"].startswith("http://127.0.0.1:")
+        (samples,) = folder.glob("*/samples_owt_genppl_embedded_*.jsonl")
+        assert len(samples.read_text().splitlines()) == 2  # per-sample outcomes kept
+    again = run_sweep(config)
+    assert (again.ran, again.skipped, again.model_loads, again.vllm_starts, again.scorer_loads) == (0, 3, 0, 0, 0)
+    # another limit, scorer setting or checkpoint is another result: not skipped
+    g, (s, *_) = GRIDS["test-genppl"], settings(GRIDS["test-genppl"], str(work / "runs"))
+    folder = work / "runs" / "results" / s.run / s.label
+    sha = json.loads(next(folder.glob("*/results_*.json")).read_text())["config"]["model_sha"]
+    assert sweep._done(folder, sweep._mark(s, g, sha, metadata))
+    assert not sweep._done(folder, sweep._mark(s, replace(g, limit=3), sha, metadata))
+    assert not sweep._done(folder, sweep._mark(s, g, sha, {**metadata, "num_samples": 3}))
+    assert not sweep._done(folder, sweep._mark(s, g, "0" * 64, metadata))
+
+
+# ------------------------------------------------------------------------------ scorer flags on a GPU
+
+
+def test_vllm_server_flags_and_gpu_per_rank():
+    from blockgen.harness.scorers import ScorerConfig, VLLMBuild, VLLMServer, server_dtype, server_gpu
+
+    cuda = VLLMBuild("py", "vllm", "0.32.0", "12.8")
+    cpu = VLLMBuild("py", "vllm-cpu", "0.32.0", None)
+    assert not VLLMBuild("py", "vllm", "0.32.0", None).cuda  # a CPU torch under the vllm package is no CUDA build
+    config = ScorerConfig(backend="vllm", model="m")
+    assert (server_dtype(config, cuda), server_dtype(config, cpu)) == ("float16", "float32")  # FlashAttention: no fp32
+    assert server_dtype(ScorerConfig(backend="vllm", model="m", vllm_dtype="bfloat16"), cuda) == "bfloat16"
+    gpu_cmd = VLLMServer(config).command("py", 8000, cuda)
+    assert gpu_cmd[gpu_cmd.index("--dtype") + 1] == "float16" and "--gpu-memory-utilization" in gpu_cmd
+    assert "--enforce-eager" in VLLMServer(config).command("py", 8000, cpu)
+    assert server_gpu({}) is None  # outside torchrun: the environment as it is
+    assert server_gpu({"LOCAL_RANK": "3"}) == "3"
+    assert server_gpu({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5"  # SLURM's list, not GPU 1
+    assert server_gpu({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2"}) == "2"
+
+
+def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
+    python = vllm_python()
+    ok = subprocess.run([sys.executable, "-m", "blockgen.harness.scorers", "check-vllm", "--python", python],
+                        capture_output=True, text=True, env=ENV, timeout=300)
+    assert ok.returncode == 0 and "vllm-cpu" in ok.stdout and "CPU build" in ok.stdout, ok.stderr
+    refused = subprocess.run([sys.executable, "-m", "blockgen.harness.scorers", "check-vllm", "--python", python,
+                              "--device", "cuda"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert refused.returncode == 1 and "VLLM_PACKAGE=vllm" in refused.stderr
+
+
+def test_borrowed_featurizer_is_shared_only_inside_a_sweep(work):
+    from blockgen.harness import scorers
+
+    config = scorers.ScorerConfig(model=str(work / "scorer"))
+    with scorers.borrow_featurizer(config) as a, scorers.borrow_featurizer(config) as b:
+        assert a is not b  # outside a sweep: one per call, freed after
+    with scorers.shared_scorers():
+        with scorers.borrow_featurizer(config) as a:
+            pass
+        with scorers.borrow_featurizer(scorers.ScorerConfig(backend="vllm", model=str(work / "scorer"), url="http://x")) as b:
+            assert a is b  # the server's settings do not make another in-process copy
