@@ -9,7 +9,7 @@ LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
 .PHONY: help setup vllm-env browser demo sweep test bench gpu-check clean prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
-	ci-pipeline regression-check regression-update eval-released-owt eval-released-gsm8k hub-check-released
+	ci-pipeline regression-check regression-update regression-gsm8k-check regression-gsm8k-update eval-released-owt eval-released-gsm8k hub-check-released
 
 help:
 	@echo "Targets"
@@ -35,6 +35,8 @@ help:
 	@echo "  ci-pipeline    the CI's small offline OWT pipeline into an empty CI_RUNS=$(CI_RUNS) (.ci/run)"
 	@echo "  regression-check   its leaderboard against $(CI_REFERENCE); exit 1 past a tolerance"
 	@echo "  regression-update  rerun ci-pipeline (FROM=<RUNS folder>: take that folder's) and rewrite $(CI_REFERENCE)"
+	@echo "  regression-gsm8k-check   gsm8k_code outcomes of the stored checkpoint ($(CI_GSM_STORE)) rerun, per problem; exit 1 when worse"
+	@echo "  regression-gsm8k-update  rerun them and rewrite $(CI_GSM_STORE)/outcomes.json (CHECKPOINT=<dir>: store that checkpoint first)"
 	@echo "  clean          remove runs/, build/, dist/"
 	@echo "Full scale needs the Hugging Face hub and GPUs; OFFLINE=1 runs the same targets at small scale"
 	@echo "on CPU (offline text and word problems, micro models, torchrun with 2 gloo processes)."
@@ -251,6 +253,28 @@ regression-check: setup
 regression-update: setup $(if $(FROM),,ci-pipeline)
 	$(PY) -m blockgen.harness.regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
 		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
+
+# gsm8k_code regression (README: "CI regression"; harness/outcomes.py): the small trained checkpoint
+# stored in CI_GSM_STORE is evaluated again under the settings of `blockgen sweep ci-gsm8k` into an empty
+# CI_GSM_RUNS, and every problem's outcome is compared with the stored one (exact McNemar per setting).
+# `make regression-gsm8k-update` rewrites the stored outcomes (CHECKPOINT=<checkpoint dir> copies that
+# checkpoint in first, its weights as CHECKPOINT_DTYPE; FROM=<results root> stores a finished rerun's).
+# One torch thread: 48 s for the check on 2 cores, where two OpenMP threads beside other work took 10 min
+# (the outcomes are the same either way, measured).
+CI_GSM_STORE := leaderboards/ci_gsm8k
+CI_GSM_RUNS ?= runs/ci-gsm8k
+CHECKPOINT ?=
+CHECKPOINT_DTYPE ?= float32
+
+regression-gsm8k-check: setup
+	rm -rf $(CI_GSM_RUNS)
+	OMP_NUM_THREADS=1 $(BLOCKGEN) outcomes check --store $(CI_GSM_STORE) --out-dir $(CI_GSM_RUNS) --no-progress
+
+regression-gsm8k-update: setup
+	$(if $(FROM),,rm -rf $(CI_GSM_RUNS))
+	OMP_NUM_THREADS=1 $(BLOCKGEN) outcomes update --store $(CI_GSM_STORE) $(if $(FROM),--results $(FROM),--out-dir $(CI_GSM_RUNS)) --no-progress \
+		$(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --dtype $(CHECKPOINT_DTYPE)) \
+		--command "make regression-gsm8k-update$(if $(CHECKPOINT), CHECKPOINT=$(CHECKPOINT) CHECKPOINT_DTYPE=$(CHECKPOINT_DTYPE))$(if $(FROM), FROM=$(FROM))"
 
 prepare-tinygsm: setup
 	$(hub-gsm)

@@ -12,6 +12,7 @@
     blockgen import hf:jdeschena/blockgen/<subfolder>   # convert a released checkpoint once (cached)
     blockgen released names|check|plan                  # the paper's releases: names, hub check, dry-run cost
     blockgen sweep owt-embedded --runs runs --dry-run    # a benchmark's grid: one model load per checkpoint, one scorer
+    blockgen outcomes check                             # CI: gsm8k_code per-problem outcomes of leaderboards/ci_gsm8k/
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("released", help="the paper's released checkpoints: names, hub check, dry-run cost", add_help=False)
     sub.add_parser("sweep", help="a benchmark's sampler x NFE x temperature grid, one model load per checkpoint (see `blockgen sweep --help`)", add_help=False)
     sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot, HTML page (see `blockgen leaderboard --help`)", add_help=False)
+    sub.add_parser("outcomes", help="CI regression of gsm8k_code by per-problem outcomes of a stored checkpoint (see `blockgen outcomes --help`)", add_help=False)
     return parser
 
 
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         from blockgen.harness.leaderboard import main as leaderboard_main
 
         return leaderboard_main(argv[1:])
+    if argv[:1] == ["outcomes"]:  # its own parser: `blockgen outcomes check|update` (harness/outcomes.py)
+        from blockgen.harness.outcomes import main as outcomes_main
+
+        return outcomes_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "presets":
         for name, cfg in PRESETS.items():

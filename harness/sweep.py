@@ -136,6 +136,10 @@ GRIDS: dict[str, Grid] = {
                            released=True, **_FULL),
     "demo": Grid("tinygsm", _demo_models(), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
                  k_mc=8, batch_size=16, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+    # CI's gsm8k_code regression (harness/outcomes.py): the demo's masked mixture stored under
+    # leaderboards/ci_gsm8k/ (--runs), its demo settings at NFE 4 (ancestral, EIPC, ARPC) and AR greedy.
+    "ci-gsm8k": Grid("tinygsm", ("gsm-masked-mix",), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=(4,), eipc=(), arpc=(),
+                     k_mc=8, limit=200, batch_size=32, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
 }
 
 
