@@ -185,7 +185,6 @@ def usable_cores() -> int:
 
 
 def run_demo(config: DemoConfig) -> dict:
-    from blockgen.harness.checkpoint import checkpoint_hash
     from blockgen.harness.data import get_tokenizer
     from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
 
@@ -213,6 +212,39 @@ def run_demo(config: DemoConfig) -> dict:
         elif parent is not None:
             print(f"demo: {name} trains from random weights ({parent}, its usual starting point, is not in this run)", flush=True)
     first = [name for name in models if models[name].init_from is None]
+    # Idle OpenMP threads sleep instead of spinning: a multi-threaded stage beside another busy program
+    # then slows down about in proportion instead of several-fold (bench/bench_contention.py). Same
+    # arithmetic, so the same numbers. The workers are spawned processes: they read it at start-up.
+    saved_policy = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return _run_jobs(config, out, models, children, first, jobs, difficulty)
+    finally:
+        if saved_policy is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+def _training_progress(models: dict[str, TrainConfig], training: list[str]) -> str:
+    """'gsm-ar step 340/800' for the running training jobs, from their metrics.jsonl (the jobs run in
+    other processes; the job bar would otherwise sit still through the longest stage)."""
+    parts = []
+    for name in training:
+        path = Path(models[name].out_dir) / "metrics.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - 4096))
+                last = f.read().splitlines()[-1]
+            step = json.loads(last)["step"]
+        except (OSError, IndexError, ValueError, KeyError):
+            step = 0
+        parts.append(f"{name} step {step}/{models[name].max_steps}")
+    return ", ".join(parts)
+
+
+def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], children: dict[str, list[str]],
+              first: list[str], jobs: int, difficulty: str) -> dict:
+    from blockgen.harness.checkpoint import checkpoint_hash
+
     start = time.perf_counter()
     summary: dict[str, dict] = {name: {} for name in models}
     results_files: dict[str, list[Path]] = {name: [] for name in models}
@@ -227,7 +259,9 @@ def run_demo(config: DemoConfig) -> dict:
         for name in first:  # a lone first model (the AR parent) may use every core: nothing else can run
             submit_training(name, jobs if len(first) == 1 else 1)
         while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, timeout=15, return_when=FIRST_COMPLETED)
+            training = [job[1] for job in pending.values() if job[0] == "train"]
+            bar.set_postfix_str(_training_progress(models, training) if training else "", refresh=True)
             for future in done:
                 kind, name, *rest = pending.pop(future)
                 result = future.result()  # a failed job stops the demo with its error (its log says more)
