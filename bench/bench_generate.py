@@ -20,15 +20,12 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-SIZES = {  # harness/train.py's model sizes
-    "micro": dict(n_layers=2, d_model=64, n_heads=4, cond_dim=32),
-    "tiny": dict(n_layers=4, d_model=192, n_heads=4, cond_dim=64),
-    "paper": dict(n_layers=12, d_model=768, n_heads=12, cond_dim=128),
-}
+from blockgen.models.backbone import SIZES
 
 
 def random_checkpoint(out: Path, size: str, seq_len: int) -> Path:
@@ -39,8 +36,8 @@ def random_checkpoint(out: Path, size: str, seq_len: int) -> Path:
 
     tok = train_bpe(training_text(2000), vocab_size=512)
     config = BlockGenConfig(vocab_size=len(tok), seq_len=seq_len, prior="masked", block_sizes=(1, 8),
-                            block_weights=(0.2, 0.8), dropout=0.0, special_tokens=special_tokens(tok).to_dict(),
-                            **SIZES[size])
+                            block_weights=(0.2, 0.8), shape=replace(SIZES[size], dropout=0.0),
+                            special_tokens=special_tokens(tok).to_dict())
     torch.manual_seed(0)
     model = BlockGen(config).eval()
     with torch.no_grad():  # non-trivial outputs (the final layer is zero-initialised)

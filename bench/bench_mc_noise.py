@@ -29,6 +29,7 @@ def train_micro(out: Path, minutes: float, seed: int = 0) -> Path:
     """A micro masked mixture, block sizes (1, 8), trained on the toy text (documents packed from position 0)."""
     from blockgen.harness.checkpoint import save_checkpoint
     from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
     from blockgen.tasks.blockgen_toy import training_text
 
@@ -37,7 +38,7 @@ def train_micro(out: Path, minutes: float, seed: int = 0) -> Path:
     special = special_tokens(tok)
     seq_len, sizes, weights = 64, (1, 8), (0.5, 0.5)
     config = BlockGenConfig(vocab_size=len(tok), seq_len=seq_len, prior="masked", block_sizes=sizes, block_weights=weights,
-                            n_layers=2, d_model=64, n_heads=4, cond_dim=32, dropout=0.0, special_tokens=special.to_dict())
+                            shape=SIZES["micro"], special_tokens=special.to_dict())
     model = BlockGen(config)
     rows, row = [], []
     for line in training_text(20000, seed=seed):

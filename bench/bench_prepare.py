@@ -55,7 +55,7 @@ print(json.dumps({"seconds": seconds, "peak_anon_mb": max(peak[0], anon_kb()) / 
 
 
 def write_tinygsm(path: Path, rows: int) -> None:
-    """TinyGSM-schema rows from the embedded word-problem generator (questions and Python programs)."""
+    """TinyGSM-schema rows from the word-problem generator (source 'wordproblems') (questions and Python programs)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 
 import torch
 
-from blockgen.harness.train import SIZES
+from blockgen.models.backbone import SIZES
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import SamplerConfig, generate
 
@@ -36,10 +37,9 @@ ARPC_SCHEDULES = {4: (3, 3, 0), 8: (6, 3, 0), 16: (12, 3, 0)}
 
 
 def tiny_model(seq_len: int, prior: str, size: str = "tiny") -> BlockGen:
-    shape = SIZES[size]
     config = BlockGenConfig(
         vocab_size=512, seq_len=seq_len, prior=prior, block_sizes=(1, 16), block_weights=(0.05, 0.95),
-        n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads, cond_dim=shape.cond_dim, dropout=0.0,
+        shape=replace(SIZES[size], dropout=0.0),
     )
     model = BlockGen(config).eval()
     with torch.no_grad():  # non-trivial outputs (the final layer is zero-initialised)

@@ -25,7 +25,8 @@ import sys
 import time
 from typing import Callable
 
-from blockgen.tasks.sandbox import SandboxConfig, is_correct, isolation_report, run_many
+from blockgen.tasks.gsm8k_code import is_correct
+from blockgen.tasks.sandbox import SandboxConfig, isolation_report, run_many
 
 # Ten programs in the TinyGSM format, with their answers.
 PROGRAMS: list[tuple[str, int | float]] = [

@@ -16,9 +16,8 @@ import time
 
 import torch
 
+from blockgen.models.backbone import SIZES
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.harness.train import SIZES
-from dataclasses import asdict
 
 
 def plain_ar_step(model: BlockGen, x: torch.Tensor, opt) -> None:
@@ -56,7 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = BlockGenConfig(
         vocab_size=args.vocab, seq_len=args.seq_len, prior="masked", block_sizes=(1, args.block_size),
-        block_weights=(0.05, 0.95), **asdict(SIZES["tiny"]),
+        block_weights=(0.05, 0.95), shape=SIZES["tiny"],
     )
     model = BlockGen(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

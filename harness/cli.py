@@ -2,17 +2,25 @@
 
     blockgen train --preset gsm-masked-mix --out-dir runs/masked-mix --max-steps 2000
     torchrun --nproc_per_node=2 -m blockgen.harness.cli train --preset ci --device cpu
-    blockgen demo                      # the embedded default: train and evaluate the five demo models
+    blockgen demo                      # the embedded default: train and evaluate the three demo models
     blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
     blockgen presets                   # list presets and their settings
     blockgen gpu-check                 # first run on a GPU: one JSON summary (micro size on CPU)
     blockgen prepare-data --preset owt-masked-mix   # tokenize the data once, before torchrun (same flags as train)
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
-    blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page board.json
+    blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page|compare board.json
     blockgen import hf:jdeschena/blockgen/<subfolder>   # convert a released checkpoint once (cached)
-    blockgen released names|check|plan                  # the paper's releases: names, hub check, dry-run cost
+    blockgen released names|check|import                # the paper's releases: names, hub check, conversion
     blockgen sweep owt-embedded --runs runs --dry-run    # a benchmark's grid: one model load per checkpoint, one scorer
-    blockgen outcomes check                             # CI: gsm8k_code per-problem outcomes of leaderboards/ci_gsm8k/
+    blockgen outcomes check|update                      # CI: gsm8k_code per-problem outcomes of leaderboards/ci_gsm8k/
+    blockgen regression check|update                    # CI: a pipeline's leaderboard against leaderboards/ci_regression.json
+    blockgen scorers check-vllm --device cuda           # which vLLM build owt_genppl's scorer server uses
+    blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
+
+Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
+and `run(args)` (harness/sample.py, sweep.py, outcomes.py, regression.py, released.py, scorers.py,
+sampler_grid.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and the modules
+above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
 
 from __future__ import annotations
@@ -22,11 +30,19 @@ import json
 import sys
 import typing
 from dataclasses import fields, is_dataclass, replace
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from blockgen.harness import leaderboard, outcomes, regression, released, sample, sampler_grid, scorers, sweep
+from blockgen.harness.compare import CompareError, compare, format_comparison
+from blockgen.harness.data import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
 from blockgen.harness.gpu_check import GpuCheckConfig
-from blockgen.harness.train import DEMO_PRESETS, PRESETS, TrainConfig, preset
+from blockgen.harness.leaderboard import LeaderboardError
+from blockgen.harness.page import build_page
+from blockgen.harness.plots import plot_all
+from blockgen.harness.presets import DEMO_PRESETS, PRESETS, preset
+from blockgen.harness.train import TrainConfig
 from blockgen.harness.train_scorer import ScorerTrainConfig
 from blockgen.harness.wordproblems import DIFFICULTIES
 
@@ -61,7 +77,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, prefix: st
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "preset")}
+    given = {k: v for k, v in vars(args).items() if k not in ("subcommand", "preset")}
     data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
     base = preset(args.preset)
     for key in ("block_sizes", "block_weights"):
@@ -72,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="subcommand", required=True)
     train_p = sub.add_parser("train", help="train (or resume) one model")
     train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
     add_dataclass_options(train_p, TrainConfig)
@@ -92,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_options(check_p, GpuCheckConfig)
     scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
     add_dataclass_options(scorer_p, ScorerTrainConfig)
-    sub.add_parser("sample", help="sample from a checkpoint (see `blockgen sample --help`)", add_help=False)
+    sample.build_parser(_mounted(sub, "sample", "sample from a checkpoint", sample.__doc__))
     prep_p = sub.add_parser("prepare-data", help="tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)")
     prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
     add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
@@ -102,62 +118,148 @@ def build_parser() -> argparse.ArgumentParser:
     hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
     hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
-    sub.add_parser("import", help="convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once", add_help=False)
-    sub.add_parser("released", help="the paper's released checkpoints: names, hub check, dry-run cost", add_help=False)
-    sub.add_parser("sweep", help="a benchmark's sampler x NFE x temperature grid, one model load per checkpoint (see `blockgen sweep --help`)", add_help=False)
-    sub.add_parser("leaderboard", help="leaderboard JSON: add lm-eval results, show a table, plot, HTML page (see `blockgen leaderboard --help`)", add_help=False)
-    sub.add_parser("outcomes", help="CI regression of gsm8k_code by per-problem outcomes of a stored checkpoint (see `blockgen outcomes --help`)", add_help=False)
+    released.add_import_arguments(_mounted(sub, "import", "convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
+                                           "Convert the paper's released checkpoints once into checkpoint folders (cached)."))
+    released.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
+                                   "The paper's released checkpoints. A grid's cost on them: `blockgen sweep released-owt --dry-run`."))
+    sweep.build_parser(_mounted(sub, "sweep", "a benchmark's sampler x NFE x temperature grid, one model load per checkpoint",
+                                sweep.__doc__))
+    _leaderboard_parser(_mounted(sub, "leaderboard", "leaderboard JSON: add lm-eval results, show a table, plot, HTML page, "
+                                 "compare two settings, check against a reference", leaderboard.__doc__))
+    outcomes.build_parser(_mounted(sub, "outcomes", "CI regression of gsm8k_code by per-problem outcomes of a stored checkpoint",
+                                   outcomes.__doc__))
+    regression.build_parser(_mounted(sub, "regression", "CI regression of a pipeline's leaderboard: check against the "
+                                     "reference's tolerances, or rewrite the reference", regression.__doc__))
+    scorers.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
+                                  "owt_genppl's scorer (harness/scorers.py)."))
+    sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
+                                       sampler_grid.__doc__))
     return parser
 
 
+def _mounted(sub, name: str, helptext: str, description: str | None) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=helptext, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# ------------------------------------------------------------------------------ blockgen leaderboard
+
+
+def _leaderboard_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add", help="turn lm-eval results JSON into rows of a leaderboard file (created if missing)")
+    add.add_argument("results", nargs="+", help="results_*.json files written by `lm_eval --output_path`")
+    add.add_argument("--to", default="runs/leaderboard.json", help="leaderboard file (default: %(default)s)")
+    add.add_argument("--model", default=None, help="model name (default: the checkpoint's run folder)")
+    add.add_argument("--description", default=None, help="set the file's description")
+    for name, helptext in (("show", "print rows as a table"), ("plot", "write PNG plots"),
+                           ("page", "write a static HTML page (sortable tables, filters, plots) that opens from disk")):
+        p = sub.add_parser(name, help=helptext)
+        if name == "page":
+            p.add_argument("files", nargs="*", help="leaderboard JSON files (default: every leaderboards/*.json)")
+        else:
+            p.add_argument("files", nargs="+", help="leaderboard JSON files")
+        p.add_argument("--task", nargs="+", default=None, help="only these tasks")
+        p.add_argument("--metric", nargs="+", default=None, help="only these metrics")
+        p.add_argument("--model", nargs="+", default=None, help="only these models")
+        p.add_argument("--published", action=argparse.BooleanOptionalAction, default=True, help="include the paper's rows")
+    show = sub.choices["show"]
+    show.add_argument("--best", action="store_true", help="the best variant (N_step, GE, warm-up) per NFE only")
+    show.add_argument("--columns", nargs="+", default=leaderboard.SHOW_COLUMNS, help="columns to print (default: %(default)s)")
+    sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
+    sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
+    comp = sub.add_parser("compare", help="A - B on the same problems: paired 95%% interval and test (needs per-sample logs)")
+    comp.add_argument("a", help="lm-eval output of setting A: results_*.json (with --log_samples), its folder, or a demo results file")
+    comp.add_argument("b", help="the same for setting B (same task, same problems)")
+    comp.add_argument("--metric", default=None, help="per-sample metric (default: exact_match, or gen_ppl for owt_genppl)")
+    comp.add_argument("--task", default=None, help="the task, when an output holds several")
+    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    regression.add_check_arguments(sub.add_parser("check", help="compare a rerun with a reference that carries tolerances; "
+                                                  "exit 1 on a regression (= blockgen regression check)"))
+
+
+def _selected(args) -> list[leaderboard.Row]:
+    rows = [row for path in args.files for row in leaderboard.read(path).rows]
+    return [
+        r for r in rows
+        if (args.published or not r.published)
+        and (args.task is None or r.task in args.task)
+        and (args.metric is None or r.metric in args.metric)
+        and (args.model is None or r.model in args.model)
+    ]
+
+
+def _leaderboard(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "add":
+            board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
+            if args.description is not None:
+                board.description = args.description
+            count, replaced = leaderboard.add_results(args.results, board, args.model)
+            leaderboard.write(board, args.to)
+            print(f"{args.to}: {count} rows from {len(args.results)} results file(s) ({replaced} replaced older rows)")
+        elif args.action == "show":
+            print(leaderboard.show_table(_selected(args), args.columns, args.best))
+        elif args.action == "compare":
+            try:
+                result = compare(args.a, args.b, args.metric, args.task)
+            except CompareError as err:
+                raise LeaderboardError(str(err)) from None
+            print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
+        elif args.action == "check":
+            return regression.run_check(args)
+        elif args.action == "page":
+            args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
+            if not args.files:
+                raise LeaderboardError("no leaderboard files given and none in ./leaderboards/*.json")
+            print(build_page(_selected(args), args.out_dir, sources=args.files))
+        else:
+            for path in plot_all(_selected(args), args.out_dir) or []:
+                print(path)
+    except LeaderboardError as err:
+        print(f"blockgen leaderboard: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+
+# The subcommands whose work lives in the module that mounted them (the others are run in `main`).
+RUNNERS = {
+    "sample": sample.run, "import": released.run_import, "released": released.run, "sweep": sweep.run,
+    "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": scorers.run,
+    "variants": sampler_grid.run,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["sample"]:  # its own parser: `blockgen sample --help`
-        from blockgen.harness.sample import main as sample_main
-
-        return sample_main(argv[1:])
-    if argv[:1] in (["import"], ["released"]):  # the paper's released checkpoints (harness/released.py)
-        from blockgen.harness.released import main as released_main
-
-        return released_main(argv if argv[0] == "import" else argv[1:])
-    if argv[:1] == ["sweep"]:  # its own parser: `blockgen sweep GRID [--dry-run]` (harness/sweep.py)
-        from blockgen.harness.sweep import main as sweep_main
-
-        return sweep_main(argv[1:])
-    if argv[:1] == ["leaderboard"]:  # its own parser: `blockgen leaderboard add|show|plot`
-        from blockgen.harness.leaderboard import main as leaderboard_main
-
-        return leaderboard_main(argv[1:])
-    if argv[:1] == ["outcomes"]:  # its own parser: `blockgen outcomes check|update` (harness/outcomes.py)
-        from blockgen.harness.outcomes import main as outcomes_main
-
-        return outcomes_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "presets":
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.subcommand in RUNNERS:
+        return RUNNERS[args.subcommand](args)
+    if args.subcommand == "presets":
         for name, cfg in PRESETS.items():
             print(name, json.dumps(cfg.to_dict()))
         return 0
-    if args.command == "train":
+    if args.subcommand == "train":
         from blockgen.harness.train import train
 
         config = config_from_args(args)
         print(f"checkpoint: {train(config)}")
         return 0
-    if args.command == "train-scorer":
+    if args.subcommand == "train-scorer":
         from blockgen.harness.train_scorer import train_scorer
 
-        given = {k: v for k, v in vars(args).items() if k != "command"}
+        given = {k: v for k, v in vars(args).items() if k != "subcommand"}
         data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
         base = ScorerTrainConfig()
         print(f"scorer: {train_scorer(replace(base, **given, data=replace(base.data, **data_over)))}")
         return 0
-    if args.command == "prepare-data":
+    if args.subcommand == "prepare-data":
         from blockgen.harness.prepare import prepare_data
 
         config = config_from_args(args)
         print(f"prepared: {prepare_data(config.data, config.seq_len)}")
         return 0
-    if args.command == "hub-check":
+    if args.subcommand == "hub-check":
         from blockgen.harness.hub import HubUnavailableError, check_files
 
         datasets, tokenizers = [(name, None, None) for name in args.datasets], []
@@ -165,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             data = preset(name).data
             if data.path is None and data.source in ("owt", "tinygsm"):
                 datasets.append((*data.hub_dataset(), "train"))
-            if data.tokenizer != "embedded":
+            if data.tokenizer != LOCAL_TOKENIZER:
                 tokenizers.append(data.tokenizer)
         try:
             check_files(list(dict.fromkeys(datasets)), list(dict.fromkeys(tokenizers)), args.models)
@@ -173,20 +275,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"blockgen: hub check failed: {err}.\n{args.hint}", file=sys.stderr)
             return 1
         return 0
-    if args.command == "gpu-check":
+    if args.subcommand == "gpu-check":
         from blockgen.harness.gpu_check import run_gpu_check
 
-        given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "command"}
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "subcommand"}
         summary = run_gpu_check(GpuCheckConfig(**given))
         print(json.dumps(summary, indent=2))
         return 0 if summary["ok"] else 1
-    if args.command == "demo":
+    if args.subcommand == "demo":
         from blockgen.harness.demo import run_demo
 
         run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
                             jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty))
         return 0
-    return 2
+    raise NotImplementedError(f"blockgen: subcommand {args.subcommand!r} is parsed but has no runner")
 
 
 if __name__ == "__main__":

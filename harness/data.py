@@ -1,8 +1,8 @@
 """Data: a text source -> tokenizer -> fixed-length examples with a loss mask.
 
 Sources (`DataConfig.source`):
-- "embedded": procedurally generated TinyGSM-style word problems (offline default) and a byte-level
-  BPE trained on them locally;
+- "wordproblems" (the default): TinyGSM-style word problems generated offline by
+  `blockgen.harness.wordproblems`;
 - "tinygsm": the hub dataset TinyGSM/TinyGSM (fields `question`, `code`), or local JSON/JSONL/parquet
   files of the same schema (`path`); a random 1 % (seed 42) is held out, as the authors' scripts do;
 - "owt": OpenWebText (`text`), read from the hub's parquet export (`hub_name`, `hub_revision`; a
@@ -11,6 +11,12 @@ Sources (`DataConfig.source`):
 - "text": offline English text every Python has, the documentation topics of `pydoc_data.topics`
   (or local files, `path`), laid out as OWT; a document is held out when a stable hash of its text
   says so (one in ten), so the split does not depend on file order.
+
+Tokenizers (`DataConfig.tokenizer`): "local" (the default) trains a byte-level BPE of `vocab_size`
+on the source's training text and caches it; anything else is a local directory or a hub name.
+Both defaults were once spelled "embedded", a word now kept for the offline tasks and grids
+(`gsm8k_code_embedded`, `owt-embedded`, ...): `RENAMED` maps the old spelling where it is stored,
+and cache keys keep it (`cache_spelling`).
 
 Document sources ("owt", "text") are framed as the authors' (MDLM's wrapping): documents tokenized
 with EOS appended, concatenated per batch of 1,000 documents, cut into (L - 2)-token pieces, each
@@ -21,7 +27,7 @@ validation and the `owt_ppl` / `owt_genppl` tasks both read it.
 
 Word problems become `[BOS] question SEP code [EOS] PAD...`: no loss on the question, which also
 stays clean in the noisy stream (`condition_mask`), as the prompt is at sampling time; loss on the
-padding only with `train_on_pad` (the authors' TinyGSM runs; the embedded default leaves it off).
+padding only with `train_on_pad` (the authors' TinyGSM runs; the generated problems leave it off).
 
 Preparing a source into the memory-mapped cache that training reads is `blockgen.harness.prepare`.
 """
@@ -44,7 +50,13 @@ from blockgen.harness.hub import HubUnavailableError, hub_call
 from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
 from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY, difficulty
 
-SOURCES = ("embedded", "tinygsm", "owt", "text")
+WORDPROBLEMS = "wordproblems"  # the generated word problems (harness/wordproblems.py)
+LOCAL_TOKENIZER = "local"  # a BPE trained on the source's own training text
+SOURCES = (WORDPROBLEMS, "tinygsm", "owt", "text")
+# Values renamed when "embedded" stopped naming four things. Stored configs still spell them the old
+# way: a run's training_state.pt and train_config.json, a prepared cache's meta.json, a checkpoint's
+# config.json ("training"). New configs and the command line take the new names only.
+RENAMED = {"source": {"embedded": WORDPROBLEMS}, "tokenizer": {"embedded": LOCAL_TOKENIZER}}
 DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into framed chunks
 OWT_VALIDATION_DOCS = 100_000
 TEXT_HELD_OUT_ONE_IN = 10  # "text": a document is held out when its hash is 0 modulo this
@@ -66,20 +78,24 @@ OFFLINE_PATHS = (
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["embedded", "tinygsm", "owt", "text"] = "embedded"
-    tokenizer: str = "embedded"  # "embedded" (train a BPE on the source locally), a local directory or a hub name
+    source: Literal["wordproblems", "tinygsm", "owt", "text"] = WORDPROBLEMS
+    tokenizer: str = LOCAL_TOKENIZER  # "local" (a BPE trained on the source), a local directory or a hub name
     path: str | None = None  # local files instead of the hub (JSON/JSONL/parquet with the hub schema; "text": also plain text)
     hub_name: str | None = None  # hub dataset (or a local folder laid out as its parquet export); None: HUB_DATASETS
     hub_revision: str | None = None  # branch, tag or commit of hub_name; None: HUB_DATASETS' (OWT: the parquet export)
     train_on_pad: bool = False  # word problems: loss on the padding too (the authors' TinyGSM runs)
-    n_train: int = 50_000  # embedded: number of generated training problems
-    difficulty: str = DEFAULT_DIFFICULTY  # embedded: the generator's level (wordproblems.DIFFICULTIES)
+    n_train: int = 50_000  # wordproblems: number of generated training problems
+    difficulty: str = DEFAULT_DIFFICULTY  # wordproblems: the generator's level (wordproblems.DIFFICULTIES)
     n_val: int = 256  # validation examples
-    vocab_size: int = 1024  # embedded BPE vocabulary
+    vocab_size: int = 1024  # tokenizer "local": the BPE's vocabulary
     seed: int = 0
-    cache_dir: str = "runs/data"  # where the embedded tokenizer and the prepared data are kept
+    cache_dir: str = "runs/data"  # where the local tokenizer and the prepared data are kept
 
     def __post_init__(self) -> None:
+        for name, renamed in RENAMED.items():
+            if (value := getattr(self, name)) in renamed:
+                choices = f"one of {list(SOURCES)}" if name == "source" else f"{LOCAL_TOKENIZER!r}, a local directory or a hub name"
+                raise ValueError(f"{name}={value!r} is now spelled {renamed[value]!r}; choose {choices}")
         if self.source not in SOURCES:
             raise ValueError(f"unknown data source {self.source!r}; choose one of {list(SOURCES)}")
         difficulty(self.difficulty)  # a clear error now rather than at data generation
@@ -92,6 +108,17 @@ class DataConfig:
         if self.hub_name is not None and self.hub_name != name:
             return self.hub_name, self.hub_revision  # another repository or a local mirror: its own revision
         return name, self.hub_revision if self.hub_revision is not None else revision
+
+
+def current_names(stored: dict) -> dict:
+    """A stored DataConfig dict, or a prepared cache's info, with renamed values in today's spelling."""
+    return {**stored, **{k: table.get(stored[k], stored[k]) for k, table in RENAMED.items() if isinstance(stored.get(k), str)}}
+
+
+def cache_spelling(name: str, value: str) -> str:
+    """How cache keys and directory names spell a value of field `name`: as before the rename, so the
+    caches prepared then are still found (new spellings would rebuild every cache under a new key)."""
+    return next((old for old, new in RENAMED[name].items() if new == value), value)
 
 
 @dataclass(frozen=True)
@@ -227,43 +254,44 @@ def chunk_documents(texts: Sequence[str], tokenizer, special: SpecialTokens, seq
     return Examples.documents(torch.from_numpy(rows).long())
 
 
-def _embedded_tokenizer_texts(config: DataConfig) -> tuple[str, list[str]]:
-    if config.source == "embedded":
+def _local_tokenizer_texts(config: DataConfig) -> tuple[str, list[str]]:
+    if config.source == WORDPROBLEMS:
         from blockgen.harness.wordproblems import generate
 
         problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
-        return f"{config.source}-{config.difficulty}", [p.question for p in problems] + [p.code for p in problems]
+        name = f"{cache_spelling('source', config.source)}-{config.difficulty}"
+        return name, [p.question for p in problems] + [p.code for p in problems]
     if config.source not in DOCUMENT_SOURCES:
-        raise ValueError(f"tokenizer='embedded' trains on the embedded word problems or a document source "
+        raise ValueError(f"tokenizer={LOCAL_TOKENIZER!r} trains on the generated word problems or a document source "
                          f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
     return config.source, list(document_split(config)[0])
 
 
-def embedded_tokenizer_dir(config: DataConfig) -> tuple[Path, list[str]]:
-    """Where the embedded tokenizer of `config` is kept, and the text it trains on. The name hashes
+def local_tokenizer_dir(config: DataConfig) -> tuple[Path, list[str]]:
+    """Where the local tokenizer of `config` is kept, and the text it trains on. The name hashes
     the training text, so a changed generator or corpus never reuses a stale tokenizer."""
-    name, texts = _embedded_tokenizer_texts(config)
+    name, texts = _local_tokenizer_texts(config)
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
     return Path(config.cache_dir) / f"tokenizer-{name}-{digest}-v{config.vocab_size}", texts
 
 
-def embedded_tokenizer(config: DataConfig):
+def local_tokenizer(config: DataConfig):
     """A BPE trained locally on the source's training text, cached under cache_dir.
 
-    Word problems ("embedded"): questions and programs of generated training problems. Other
-    sources: the training documents of `document_split`.
+    Word problems: questions and programs of generated training problems. Document sources: the
+    training documents of `document_split`.
     """
     from transformers import PreTrainedTokenizerFast
 
-    directory, texts = embedded_tokenizer_dir(config)
+    directory, texts = local_tokenizer_dir(config)
     if (directory / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     return train_bpe(texts, config.vocab_size, directory)
 
 
 def get_tokenizer(config: DataConfig):
-    if config.tokenizer == "embedded":
-        return embedded_tokenizer(config)
+    if config.tokenizer == LOCAL_TOKENIZER:
+        return local_tokenizer(config)
     return load_tokenizer(config.tokenizer)
 
 
@@ -378,12 +406,3 @@ def tinygsm_held_out(n_rows: int) -> np.ndarray:
     test rows (the first ceil(1 %) of a PCG64 permutation seeded 42), in the permutation's order."""
     n_test = math.ceil(TINYGSM_HELD_OUT_FRACTION * n_rows)
     return np.random.default_rng(TINYGSM_SPLIT_SEED).permutation(n_rows)[:n_test]
-
-
-def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples, Examples, dict]:
-    """(train, validation, info) for a data config and tokenizer: prepared into the cache once
-    (`blockgen.harness.prepare`), then memory-mapped."""
-    from blockgen.harness.prepare import load_prepared, prepare_data
-
-    _, train, val, info = load_prepared(prepare_data(config, seq_len, tokenizer=tokenizer), config.n_val)
-    return train, val, info

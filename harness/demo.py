@@ -5,7 +5,7 @@ the tokenizer is trained locally, the models are tiny; nothing touches the netwo
 of jobs (one training run per model, then one `lm_eval` run of `gsm8k_code_embedded` per sampler
 setting and one likelihood pass per model) spread over `jobs` single-threaded worker processes, one
 per usable core: small models use one core well, and a job that shares its core with another program
-slows down in proportion instead of stalling a team of OpenMP threads (README, "Sharing the machine").
+slows down in proportion instead of stalling a team of OpenMP threads (bench/README.md, "Sharing the machine").
 The AR model trains first and alone, on every worker's core, since the mixtures start from its
 weights (`WARM_STARTS`) and nothing else can run before it.
 
@@ -30,11 +30,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-# The demo's grid lives with the other grids in harness/sweep.py (`blockgen sweep demo --dry-run`).
-from blockgen.harness.sweep import DEMO_MAX_GEN_TOKS
-from blockgen.harness.sweep import DEMO_VARIANTS as DIFFUSION_VARIANTS
-from blockgen.harness.sweep import demo_samplers as samplers_for
-from blockgen.harness.train import DEMO_PRESETS, WARM_STARTS, TrainConfig, preset
+# The demo's grid lives with the other grids in harness/grids.py (`blockgen sweep demo --dry-run`).
+from blockgen.harness.grids import DEMO_MAX_GEN_TOKS
+from blockgen.harness.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
+from blockgen.harness.grids import demo_samplers as samplers_for
+from blockgen.harness.presets import DEMO_PRESETS, WARM_STARTS, preset
+from blockgen.harness.train import TrainConfig
 from blockgen.models.sampling import SamplerConfig
 
 
@@ -45,8 +46,8 @@ class DemoConfig:
     max_steps: int | None = None  # override every preset's step count
     problems: int = 500  # held-out test problems per evaluation
     jobs: int = 0  # worker processes (one thread each); 0: one per usable core
-    # 0.1: what tiny models need (REFERENCE.md calibration); add 1.0, the paper's GSM8K temperature,
-    # for the full sweep (`make sweep`).
+    # 0.1: what tiny models need (docs/results.md: T = 1.0 costs the uniform mixture 5-8 points);
+    # add 1.0, the paper's GSM8K temperature, for the full sweep (`make sweep`).
     temperatures: tuple[float, ...] = (0.1,)
     nfes: tuple[int, ...] = (4, 8, 16)
     difficulty: str | None = None  # the generator's level; None: the presets' ("easy")

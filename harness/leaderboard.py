@@ -23,7 +23,7 @@ import tempfile
 import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 SCHEMA = "blockgen-leaderboard"
 VERSION = 1
@@ -435,109 +435,15 @@ SHOW_COLUMNS = ["model", "task", "metric", "sampler", "steps", "ge", "warmup", "
                 "model_calls_per_block", "value", "stderr", "n", "published"]
 
 
-# ------------------------------------------------------------------------------ command line
+def show_table(rows: Iterable[Row], columns: Sequence[str] = SHOW_COLUMNS, best: bool = False) -> str:
+    """The rows as `blockgen leaderboard show` prints them; `best`: the best variant per NFE only."""
+    import pandas as pd
 
-
-def _parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="blockgen leaderboard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="action", required=True)
-    add = sub.add_parser("add", help="turn lm-eval results JSON into rows of a leaderboard file (created if missing)")
-    add.add_argument("results", nargs="+", help="results_*.json files written by `lm_eval --output_path`")
-    add.add_argument("--to", default="runs/leaderboard.json", help="leaderboard file (default: %(default)s)")
-    add.add_argument("--model", default=None, help="model name (default: the checkpoint's run folder)")
-    add.add_argument("--description", default=None, help="set the file's description")
-    for name, helptext in (("show", "print rows as a table"), ("plot", "write PNG plots"),
-                           ("page", "write a static HTML page (sortable tables, filters, plots) that opens from disk")):
-        p = sub.add_parser(name, help=helptext)
-        if name == "page":
-            p.add_argument("files", nargs="*", help="leaderboard JSON files (default: every leaderboards/*.json)")
-        else:
-            p.add_argument("files", nargs="+", help="leaderboard JSON files")
-        p.add_argument("--task", nargs="+", default=None, help="only these tasks")
-        p.add_argument("--metric", nargs="+", default=None, help="only these metrics")
-        p.add_argument("--model", nargs="+", default=None, help="only these models")
-        p.add_argument("--published", action=argparse.BooleanOptionalAction, default=True, help="include the paper's rows")
-    show = sub.choices["show"]
-    show.add_argument("--best", action="store_true", help="the best variant (N_step, GE, warm-up) per NFE only")
-    show.add_argument("--columns", nargs="+", default=SHOW_COLUMNS, help="columns to print (default: %(default)s)")
-    sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
-    sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
-    comp = sub.add_parser("compare", help="A - B on the same problems: paired 95%% interval and test (needs per-sample logs)")
-    comp.add_argument("a", help="lm-eval output of setting A: results_*.json (with --log_samples), its folder, or a demo results file")
-    comp.add_argument("b", help="the same for setting B (same task, same problems)")
-    comp.add_argument("--metric", default=None, help="per-sample metric (default: exact_match, or gen_ppl for owt_genppl)")
-    comp.add_argument("--task", default=None, help="the task, when an output holds several")
-    comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    check = sub.add_parser("check", help="compare a rerun with a reference that carries tolerances; exit 1 on a regression")
-    check.add_argument("new", help="the rerun's leaderboard JSON")
-    check.add_argument("--against", default="leaderboards/ci_regression.json", help="reference leaderboard (default: %(default)s)")
-    check.add_argument("--all", action="store_true", help="list every row, not only those past their tolerance")
-    return parser
-
-
-def _selected(args) -> list[Row]:
-    rows = [row for path in args.files for row in read(path).rows]
-    return [
-        r for r in rows
-        if (args.published or not r.published)
-        and (args.task is None or r.task in args.task)
-        and (args.metric is None or r.metric in args.metric)
-        and (args.model is None or r.model in args.model)
-    ]
-
-
-def main(argv: list[str]) -> int:
-    import sys
-
-    args = _parser().parse_args(argv)
-    try:
-        if args.action == "add":
-            board = read(args.to) if Path(args.to).exists() else Leaderboard([])
-            if args.description is not None:
-                board.description = args.description
-            count, replaced = add_results(args.results, board, args.model)
-            write(board, args.to)
-            print(f"{args.to}: {count} rows from {len(args.results)} results file(s) ({replaced} replaced older rows)")
-        elif args.action == "show":
-            import pandas as pd
-
-            unknown = sorted(set(args.columns) - set(_HINTS))
-            if unknown:
-                raise LeaderboardError(f"unknown column(s) {unknown}; valid: {sorted(_HINTS)}")
-            df = table(_selected(args))
-            if args.best:
-                df = best_per_nfe(df)
-            with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
-                print(df[args.columns].to_string(index=False) if not df.empty else "(no rows)")
-        elif args.action == "compare":
-            from blockgen.harness.compare import CompareError, compare, format_comparison
-
-            try:
-                result = compare(args.a, args.b, args.metric, args.task)
-            except CompareError as err:
-                raise LeaderboardError(str(err)) from None
-            print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
-        elif args.action == "check":
-            from blockgen.harness.regression import check
-
-            passed, text = check(args.new, args.against, args.all)
-            print(text)
-            return 0 if passed else 1
-        elif args.action == "page":
-            from blockgen.harness.page import build_page
-
-            args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
-            if not args.files:
-                raise LeaderboardError("no leaderboard files given and none in ./leaderboards/*.json")
-            print(build_page(_selected(args), args.out_dir, sources=args.files))
-        else:
-            from blockgen.harness.plots import plot_all
-
-            for path in plot_all(_selected(args), args.out_dir) or []:
-                print(path)
-    except LeaderboardError as err:
-        print(f"blockgen leaderboard: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    unknown = sorted(set(columns) - set(_HINTS))
+    if unknown:
+        raise LeaderboardError(f"unknown column(s) {unknown}; valid: {sorted(_HINTS)}")
+    df = table(rows)
+    if best:
+        df = best_per_nfe(df)
+    with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
+        return df[list(columns)].to_string(index=False) if not df.empty else "(no rows)"

@@ -59,11 +59,14 @@ from blockgen.harness.checkpoint import (
     load_checkpoint,
     read_config,
 )
+from blockgen.harness.distributed import setup_distributed
+from blockgen.harness.precision import DTYPES, check_dtype, compute_precision
 from blockgen.models.diffusion import RowGenerators
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.objectives import jensen_bound, lse_bound
 from blockgen.models.sampling import (
     AR_SAMPLERS,
+    INFORMED_SAMPLERS,
     SamplerConfig,
     check_config,
     generate,
@@ -99,6 +102,11 @@ class BlockGenLMArgs:
     block_size: int | None = None  # None: the checkpoint's largest block size
     max_gen_toks: int | None = None  # None: min(256, seq_len // 2)
     layout: str = "grid"  # where generated blocks sit: 'grid' (training's) or 'prompt_end'
+    # Precision of the network's matmuls (harness/precision.py): lm-eval hf's dtype names; bfloat16 is
+    # autocast (weights, LayerNorm, logits and the bounds stay float32/float64). tf32: CUDA's TF32
+    # matmuls during this model's calls (opt-in: not measured on a GPU; docs/lm_eval.md, "Evaluation cost and precision").
+    dtype: str = "float32"
+    tf32: bool = False
     # Released checkpoints only (harness/released.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
@@ -136,6 +144,9 @@ class BlockGenLMArgs:
             raise ValueError(f"temperature={args.temperature!r}; must be a number")
         if not isinstance(args.add_bos, bool):
             raise ValueError(f"add_bos={args.add_bos!r}; must be true or false")
+        if not isinstance(args.tf32, bool):
+            raise ValueError(f"tf32={args.tf32!r}; must be true or false")
+        args = replace(args, dtype=check_dtype(args.dtype))
         temperature = None if args.temperature is None else float(args.temperature)
         return replace(args, pretrained=str(args.pretrained), temperature=temperature)
 
@@ -154,6 +165,20 @@ def _batch_size(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().split(":")[0] == "auto":
         return "auto"
     raise ValueError(f"batch_size={value!r}; choose a positive integer or 'auto'")
+
+
+def sampler_model_args(sampler: SamplerConfig) -> dict[str, Any]:
+    """The ``--model_args`` that select `sampler`: the inverse of `BlockGenLM._default_sampler` on the
+    fields the sampler reads (max_new_tokens travels as max_gen_toks where a caller sets it)."""
+    if sampler.is_ar:
+        args: dict[str, Any] = {"sampler": sampler.name}
+        return args if sampler.name == "ar_greedy" else {**args, "temperature": sampler.temperature}
+    args = {"sampler": sampler.name, "steps": sampler.steps, "temperature": sampler.temperature}
+    if sampler.name in INFORMED_SAMPLERS:
+        args.update(ge=sampler.ge, warmup=sampler.warmup)
+    if sampler.block_size is not None:
+        args["block_size"] = sampler.block_size
+    return args
 
 
 # Generation settings a task's gen_kwargs may override, and the SamplerConfig field each one sets.
@@ -332,7 +357,7 @@ def seed_disagreement(scores: Sequence[RequestScore]) -> float:
 class Usage:
     """What a run really did, per task: requests and truncation, generation settings and model calls,
     Monte Carlo error of the log-likelihoods. Merged across torchrun ranks and reported under
-    ``config.blockgen.tasks`` of the results JSON (`report`; the key names are listed in the README).
+    ``config.blockgen.tasks`` of the results JSON (`report`; the key names are listed in docs/lm_eval.md).
     """
 
     COUNTS = ("requests", "truncated_requests", "truncated_tokens")
@@ -450,7 +475,8 @@ class BlockGenLM(TemplateLM):
         self.usage = Usage()
         self._usage_by_rank: list[Usage] | None = None
 
-        self._device, self._world_size, self._rank = _setup_device_and_ranks(args.device)
+        ranks = setup_distributed(_requested_device(args.device))  # joins torchrun's group when there is one
+        self._device, self._world_size, self._rank = ranks.device, ranks.world_size, ranks.rank
         self.model, self.tokenizer = load_checkpoint(self.checkpoint_dir, self._device)
         self.special = checkpoint_special_tokens(self.model, self.tokenizer)
         self.checkpoint_hash = checkpoint_hash(self.checkpoint_dir)
@@ -527,7 +553,8 @@ class BlockGenLM(TemplateLM):
             window = Window(tuple([self.special.bos] * self.max_length), 1)
             while size > 1:
                 try:
-                    score_windows(self.model, [window] * size, list(range(size)), 1, self.special.pad)
+                    with self._precision():
+                        score_windows(self.model, [window] * size, list(range(size)), 1, self.special.pad)
                     break
                 except torch.cuda.OutOfMemoryError:
                     size //= 2
@@ -535,6 +562,10 @@ class BlockGenLM(TemplateLM):
                     torch.cuda.empty_cache()
         log.info("blockgen: --batch_size auto -> %d", size)
         return size
+
+    def _precision(self):
+        """The context of every model call: the `dtype` and `tf32` model arguments (harness/precision.py)."""
+        return compute_precision(self._device, self.args.dtype, self.args.tf32)
 
     # -------------------------------------------------------------- lm-eval's interface: basics
 
@@ -565,7 +596,9 @@ class BlockGenLM(TemplateLM):
     def fingerprint(self) -> str:
         """Checkpoint and every setting that changes an answer (not batch size or device)."""
         a = self.args
-        return derive_seed(self.checkpoint_hash, a.k_mc, a.seed, a.add_bos, asdict(self.sampler)).to_bytes(8, "little").hex()
+        # precision only when it is not the default, so that float32 runs keep their fingerprint (and --use_cache table)
+        precision = [(a.dtype, a.tf32)] if (DTYPES[a.dtype], a.tf32) != (torch.float32, False) else []
+        return derive_seed(self.checkpoint_hash, a.k_mc, a.seed, a.add_bos, asdict(self.sampler), *precision).to_bytes(8, "little").hex()
 
     @property
     def tokenizer_name(self) -> str:
@@ -609,6 +642,8 @@ class BlockGenLM(TemplateLM):
                 "k_mc": self.args.k_mc,
                 "seed": self.args.seed,
                 "add_bos": self.args.add_bos,
+                "dtype": self.args.dtype,
+                "tf32": self.args.tf32,
                 "sampler": {**asdict(self.sampler), "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
                 "batch_size": self._batch_size,  # the size used, also when --batch_size auto chose it
@@ -647,7 +682,8 @@ class BlockGenLM(TemplateLM):
         bar = tqdm(total=len(items), desc=f"blockgen {what}", disable=disable_tqdm or self.rank != 0)
         for batch in collator.get_batched(n=self.batch_size):
             ws, ss = zip(*batch)
-            out.extend(score_windows(self.model, list(ws), list(ss), self.args.k_mc, self.special.pad))
+            with self._precision():
+                out.extend(score_windows(self.model, list(ws), list(ss), self.args.k_mc, self.special.pad))
             bar.update(len(batch))
         bar.close()
         return collator.get_original(out)
@@ -830,8 +866,9 @@ class BlockGenLM(TemplateLM):
             batch_plans = [plan for _, plan in batch]
             sampler = batch_plans[0].sampler
             start = time.perf_counter()
-            result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
-                              stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans])
+            with self._precision():
+                result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
+                                  stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans])
             self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):
@@ -918,29 +955,14 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def _setup_device_and_ranks(requested: str | None) -> tuple[torch.device, int, int]:
-    """(device, world size, rank). Under torchrun: joins (or starts) the process group, one device per rank.
+# lm-eval's command line sends device="cuda:0" when --device is not given (its `hf` backend then
+# falls back to the CPU on a machine without a GPU): that default, and only it, means the CPU there.
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"
 
-    lm-eval's default device is cuda:0 even without a GPU: fall back to the CPU with a warning.
-    """
-    device = torch.device(requested or "cuda:0")
-    if device.type == "cuda" and not torch.cuda.is_available():
+
+def _requested_device(device: str | None) -> str | None:
+    """The device to ask `setup_distributed` for: lm-eval's default read as above, anything else as given."""
+    if device == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
         log.warning("blockgen: device %s requested but CUDA is not available; using the CPU", device)
-        device = torch.device("cpu")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        log.warning("blockgen: device mps requested but not available; using the CPU")
-        device = torch.device("cpu")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            log.warning("blockgen: %s does not exist; using cuda:0", device)
-            device = torch.device("cuda:0")
-        return device, 1, 0
-    import torch.distributed as dist
-
-    if device.type == "cuda":  # one GPU per rank, whatever index was asked for
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return device, dist.get_world_size(), dist.get_rank()
+        return "cpu"
+    return device

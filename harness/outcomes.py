@@ -36,7 +36,7 @@ from blockgen.harness.compare import Comparison, CompareError, compare_accuracy,
 
 STORE = "leaderboards/ci_gsm8k"
 OUTCOMES = "outcomes.json"
-GRID = "ci-gsm8k"  # harness/sweep.py's GRIDS: the settings, the model's run name, the default limit
+GRID = "ci-gsm8k"  # harness/grids.py's GRIDS: the settings, the model's run name, the default limit
 SCHEMA = "blockgen-outcomes"
 VERSION = 1
 ALPHA = 0.05
@@ -107,7 +107,7 @@ def read_results(folder: Path, task: str, label: str, model_args: dict) -> Setti
 def _grid(limit: int | None):
     from dataclasses import replace
 
-    from blockgen.harness.sweep import grid
+    from blockgen.harness.grids import grid
 
     g = grid(GRID)
     return g if limit is None else replace(g, limit=limit)
@@ -164,7 +164,7 @@ def write_outcomes(path: Path, found: dict[str, SettingOutcomes], limit: int, sh
     doc = {
         "schema": SCHEMA, "version": VERSION,
         "description": (f"CI regression of {g.generation_task}: per-problem outcomes of the checkpoint beside this file "
-                        f"under each setting of `blockgen sweep {GRID}` (harness/outcomes.py; README \"CI regression\"). "
+                        f"under each setting of `blockgen sweep {GRID}` (harness/outcomes.py; docs/testing.md \"CI regression\"). "
                         "Per problem: [exact_match, verdict, sha256 of the response (16 hex)]."),
         "provenance": {**provenance(command), "checkpoint": str(checkpoint_dir(".")), "checkpoint_sha": sha,
                        **({"checkpoint_note": checkpoint_note} if checkpoint_note else {})},
@@ -365,9 +365,8 @@ def update(store: str | Path = STORE, limit: int | None = None, results: str | P
 # ------------------------------------------------------------------------------ command line
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockgen outcomes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    """`blockgen outcomes check|update` (mounted by harness/cli.py)."""
     sub = parser.add_subparsers(dest="action", required=True)
     chk = sub.add_parser("check", help="rerun the stored settings and compare per problem; exit 1 when a setting is worse")
     upd = sub.add_parser("update", help="rerun the settings on the stored checkpoint and rewrite the stored outcomes")
@@ -383,11 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     upd.add_argument("--checkpoint", default=None, help="copy this checkpoint into the store first")
     upd.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype in the stored copy (default: %(default)s)")
     upd.add_argument("--command", default="blockgen outcomes update", help="how the outcomes were made (stored in the provenance)")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "check":
             passed, text = check(args.store, args.runs, args.results, args.out_dir, args.alpha, args.progress)
@@ -398,7 +395,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"blockgen outcomes: error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

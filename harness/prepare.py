@@ -4,7 +4,7 @@
 Makefile runs it in one process before `torchrun`. A cache holds fixed-length examples, so nothing
 about it depends on the model but the tokenizer and seq_len:
 
-    <cache_dir>/prepared-<source>-<key>/
+    <cache_dir>/prepared-<source>-<key>/   (source and key in the spelling before the rename: data.cache_spelling)
         tokenizer/                  the tokenizer that made the tokens (training loads this one)
         {train,val}.tokens          int32 (N, seq_len), row-major
         {train,val}.prompt          int32 (N,): prompt length (0 for documents)
@@ -39,9 +39,11 @@ import numpy as np
 import torch
 
 from blockgen.harness.data import (
-    DOCUMENT_SOURCES, DataConfig, Examples, document_batches, document_split, embedded_tokenizer_dir,
-    encode_problem_batch, frame_documents, get_tokenizer, load_rows, tinygsm_held_out,
+    DOCUMENT_SOURCES, LOCAL_TOKENIZER, RENAMED, WORDPROBLEMS, DataConfig, Examples, cache_spelling, current_names,
+    document_batches, document_split, encode_problem_batch, frame_documents, get_tokenizer, load_rows, local_tokenizer_dir,
+    tinygsm_held_out,
 )
+from blockgen.harness.distributed import ranks_from_env
 from blockgen.harness.tokenizer import special_tokens
 
 FORMAT_VERSION = 1  # bump when the cache's layout or framing changes: older caches are then ignored
@@ -57,8 +59,8 @@ class DataNotPreparedError(RuntimeError):
 def _tokenizer_identity(config: DataConfig, tokenizer) -> str:
     if tokenizer is not None:
         return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-    if config.tokenizer == "embedded":
-        return embedded_tokenizer_dir(config)[0].name  # hashes the text it trains on
+    if config.tokenizer == LOCAL_TOKENIZER:
+        return local_tokenizer_dir(config)[0].name  # hashes the text it trains on
     return config.tokenizer  # a hub name or directory: the cache keeps the copy it used
 
 
@@ -66,10 +68,12 @@ def prepared_dir(config: DataConfig, seq_len: int, tokenizer=None) -> Path:
     """Where the prepared data of (config, seq_len) lives: keyed by everything that changes its tokens.
 
     n_val only selects a prefix of the held-out examples (except for generated problems, where it is
-    how many are generated), so changing it never re-tokenizes a corpus.
+    how many are generated), so changing it never re-tokenizes a corpus. Renamed values enter the key
+    in their old spelling, so a cache prepared before the rename keeps its key.
     """
     fields = {k: v for k, v in asdict(config).items() if k not in ("cache_dir", "n_val")}
-    if config.source != "embedded":
+    fields.update({k: cache_spelling(k, fields[k]) for k in RENAMED})
+    if config.source != WORDPROBLEMS:
         for k in ("n_train", "difficulty", "seed"):
             fields.pop(k)
     else:
@@ -77,7 +81,7 @@ def prepared_dir(config: DataConfig, seq_len: int, tokenizer=None) -> Path:
     if config.source in ("owt", "tinygsm") and config.path is None:
         fields["hub_name"], fields["hub_revision"] = config.hub_dataset()
     key = json.dumps([FORMAT_VERSION, seq_len, fields, _tokenizer_identity(config, tokenizer)], sort_keys=True)
-    return Path(config.cache_dir) / f"prepared-{config.source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return Path(config.cache_dir) / f"prepared-{fields['source']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def is_prepared(directory: Path) -> bool:
@@ -133,7 +137,7 @@ def _write_problems(config, tokenizer, special, seq_len, writers, info) -> None:
         writers[split].add(batch.rows, batch.prompt_len, batch.length)
         dropped[split] += batch.dropped
 
-    if config.source == "embedded":
+    if config.source == WORDPROBLEMS:
         from blockgen.harness.wordproblems import generate
 
         for split, name, n in (("train", "train", config.n_train), ("val", "validation", config.n_val)):
@@ -250,7 +254,7 @@ def load_prepared(directory: Path, n_val: int) -> tuple:
         loss_len = torch.full((), seq_len, dtype=torch.int32).expand(n) if meta["train_on_pad"] else length
         splits[split] = Examples(tokens, prompt, loss_len)
     val = splits["val"][: max(n_val, 0)]
-    info = {**meta["info"], "train_examples": len(splits["train"]), "validation_examples": len(val), "prepared": str(directory)}
+    info = {**current_names(meta["info"]), "train_examples": len(splits["train"]), "validation_examples": len(val), "prepared": str(directory)}
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory / "tokenizer"))
     return tokenizer, splits["train"], val, info
 
@@ -262,7 +266,8 @@ def ensure_prepared(config: DataConfig, seq_len: int, poll_seconds: float = 2.0,
     directory = prepared_dir(config, seq_len)
     if is_prepared(directory):
         return directory
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    ranks = ranks_from_env()
+    if ranks.local_rank == 0:
         log(f"blockgen: {directory} is not prepared; preparing it now (`blockgen prepare-data` does this "
             f"outside training, as `make train-owt` / `make train-tinygsm` do)")
         return prepare_data(config, seq_len, log=log)
@@ -271,5 +276,11 @@ def ensure_prepared(config: DataConfig, seq_len: int, poll_seconds: float = 2.0,
         time.sleep(poll_seconds)
         waited += poll_seconds
         if waited % 300 < poll_seconds:
-            log(f"blockgen: rank {os.environ.get('RANK', '?')} waiting for the data preparation ({waited:.0f} s)")
+            log(f"blockgen: rank {ranks.rank} waiting for the data preparation ({waited:.0f} s)")
     return directory
+
+
+def load_examples(config: DataConfig, tokenizer, seq_len: int) -> tuple[Examples, Examples, dict]:
+    """(train, validation, info) for a data config and tokenizer: prepared into the cache once, then memory-mapped."""
+    _, train, val, info = load_prepared(prepare_data(config, seq_len, tokenizer=tokenizer), config.n_val)
+    return train, val, info

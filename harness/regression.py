@@ -11,8 +11,10 @@ measured (`update` with several leaderboards) and kept in the provenance; the st
 legitimate change that draws new random numbers (the new value is then a fresh draw with the same
 standard error, so stored - new has standard deviation sqrt(2) * stderr).
 
-    blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json --against leaderboards/ci_regression.json
-    python -m blockgen.harness.regression update NEW.json [RUN2.json ...] --to leaderboards/ci_regression.json
+    blockgen regression check runs/ci-pipeline/leaderboard-owt-embedded.json --against leaderboards/ci_regression.json
+    blockgen regression update NEW.json [RUN2.json ...] --to leaderboards/ci_regression.json
+
+(`blockgen leaderboard check` is the same check.)
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _verdict(stored: Row, new: Row) -> str:
         return "WORSE" if math.isnan(b) else "better"
     if stored.tolerance is None:
         raise LeaderboardError(f"reference row {metric_name(stored)} of {settings(stored)} has no tolerance "
-                               "(write the reference with `python -m blockgen.harness.regression update`)")
+                               "(write the reference with `blockgen regression update`)")
     if abs(b - a) <= stored.tolerance:
         return "ok"
     if stored.higher_is_better is None:
@@ -216,10 +218,23 @@ def build_reference(new: Leaderboard, policy: dict[str, Any], command: str, spre
     return Leaderboard(rows, description, how)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m blockgen.harness.regression", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    """`blockgen regression check` and its older name `blockgen leaderboard check`."""
+    parser.add_argument("new", help="the rerun's leaderboard JSON")
+    parser.add_argument("--against", default=REFERENCE, help="reference leaderboard (default: %(default)s)")
+    parser.add_argument("--all", action="store_true", help="list every row, not only those past their tolerance")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    passed, text = check(args.new, args.against, args.all)
+    print(text)
+    return 0 if passed else 1
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    """`blockgen regression check|update` (mounted by harness/cli.py)."""
     sub = parser.add_subparsers(dest="action", required=True)
+    add_check_arguments(sub.add_parser("check", help="compare a rerun with the reference's tolerances; exit 1 on a regression"))
     up = sub.add_parser("update", help="store a leaderboard as the regression reference, tolerances by the stored policy")
     up.add_argument("boards", nargs="+", help="the new leaderboard; more files (other runs of the same pipeline, the "
                     "first included) measure the run-to-run spread anew")
@@ -228,12 +243,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--k", type=float, default=None, help=f"spread factor (default: the stored one, else {DEFAULT_K})")
     up.add_argument("--z", type=float, default=None, help=f"stderr factor (default: the stored one, else {DEFAULT_Z})")
     up.add_argument("--spread-note", default=None, help="how the spread runs were made (commands, dates, load)")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+def run(args: argparse.Namespace) -> int:
     try:
+        if args.action == "check":
+            return run_check(args)
         stored = read(args.to) if Path(args.to).exists() else None
         policy = dict((stored.provenance or {}).get("tolerance", {})) if stored else {}
         policy.update(rule=RULE, k=args.k if args.k is not None else policy.get("k", DEFAULT_K),
@@ -245,10 +260,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.to}: the new rows against the old reference:\n{report(compare(stored, reference), hint=False)}")
         print(f"{args.to}: {len(reference.rows)} rows written; review and commit its diff")
     except LeaderboardError as err:
-        print(f"regression: error: {err}", file=sys.stderr)
+        print(f"blockgen regression: error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

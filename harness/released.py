@@ -38,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -46,6 +47,7 @@ import torch
 
 from blockgen.harness.checkpoint import CONFIG, WEIGHTS, CheckpointError, save_checkpoint
 from blockgen.harness.hub import OFFLINE_HINT, HubUnavailableError
+from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 
 HUB_REPO = "jdeschena/blockgen"
@@ -253,8 +255,9 @@ def release_config(raw: dict, weights: dict[str, torch.Tensor], setting: Release
     try:
         return BlockGenConfig(
             vocab_size=vocab, seq_len=seq_len, prior=setting.prior, block_sizes=tuple(sizes),
-            block_weights=tuple(weights_), n_layers=int(raw["n_blocks"]), d_model=int(raw["hidden_size"]),
-            n_heads=int(raw["n_heads"]), cond_dim=int(raw["cond_dim"]), dropout=float(raw.get("dropout", 0.1)),
+            block_weights=tuple(weights_),
+            shape=ModelShape(n_layers=int(raw["n_blocks"]), d_model=int(raw["hidden_size"]), n_heads=int(raw["n_heads"]),
+                             cond_dim=int(raw["cond_dim"]), dropout=float(raw.get("dropout", 0.1))),
             causal_clean=x0_causal if algo == "blockgen" else True,
             # flex or sdpa: only the kernel differs (the README of the release format); SDPA runs everywhere
             attention="sdpa", special_tokens=special_tokens or {}, architecture=architecture, adaln=algo != "ar",
@@ -418,7 +421,7 @@ def import_release(pretrained: str | Path, overrides: ReleaseOverrides = Release
     rows = _vocab_rows(weights, source)
     tokenizer = release_tokenizer(tokenizer_name, rows, setting.prior, source)
     config = release_config(raw, weights, setting, source, special_tokens(tokenizer).to_dict())
-    state = map_weights(weights, config.d_model // config.n_heads, source)
+    state = map_weights(weights, config.shape.d_model // config.shape.n_heads, source)
     model = BlockGen(config)
     expected = model.state_dict()
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
@@ -507,7 +510,7 @@ def _blockgen(block: int, data: str, prior: str, weights: str | None = None) -> 
 
 
 # The released subfolder of each model of the paper's tables, under this project's model names (the
-# training presets `<benchmark>-<variant>` of harness/train.py and the rows of leaderboards/paper.json).
+# training presets `<benchmark>-<variant>` of harness/presets.py and the rows of leaderboards/paper.json).
 # Mixtures without a preset of their own are named by their gamma_1 (`-g0.01`).
 RELEASES: dict[str, str] = {
     **{f"{d}-{algo}": f"baselines/{d}/{algo}" for d in ("owt", "tinygsm") for algo in ("ar", "mdlm", "duo")},
@@ -552,7 +555,7 @@ def check_on_hub(names: list[str]) -> None:
                 raise HubUnavailableError(f"{HUB_REPO} has no {sub}/{file} (model {name})")
 
 
-# Cost model, derived (no GPU was lent to this work): REFERENCE.md's H200 measurements of the paper-size
+# Cost model, derived (no GPU was lent to this work): the reference H200 measurements (not in this repository) of the paper-size
 # network (bf16, SDPA, L = 1,024, batch 8): 0.094 s per BlockGen training step over [x0 ; xt] (2L
 # tokens) and 0.057 s per plain AR step (L tokens). A forward pass is taken as a third of a training
 # step (the backward costs about two forwards); time scales with tokens (attention's L^2 ignored).
@@ -604,56 +607,43 @@ def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batc
     return n * calls * per_call + scorer, f"{n} x {calls} calls of {block}-token blocks; {-(-n // batch) * calls} batched calls"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`blockgen released names|check|plan` and `blockgen import` (see the README section)."""
-    import argparse
-    import sys
+def add_import_arguments(parser) -> None:
+    """`blockgen import` and `blockgen released import`."""
+    parser.add_argument("specs", nargs="+", help="hf:jdeschena/blockgen/<subfolder>, a release folder, or a name of `names`")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--out-dir", default=None, help="one spec only: write the checkpoint here instead of the cache")
 
-    parser = argparse.ArgumentParser(prog="blockgen released", description="The paper's released checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("names", help="print name=subfolder for every release (the Makefile reads it)")
-    check = sub.add_parser("check", help="exit 1 unless the hub (or $%s) has these releases" % LOCAL_DIR_ENV)
-    check.add_argument("names", nargs="+")
-    check.add_argument("--hint", default="")
-    plan = sub.add_parser("plan", help="dry run: one line per setting with its derived H200-hours, and the total")
-    plan.add_argument("settings", nargs="*", help="name|task|sampler:steps:ge:warmup|temperature or name|task|likelihood|-")
-    plan.add_argument("--k-mc", type=int, default=8)
-    plan.add_argument("--limit", type=int, default=None)
-    plan.add_argument("--batch", type=int, default=32, help="rows per generation call (EVAL_BATCH)")
-    imp = sub.add_parser("import", help="convert releases once into checkpoint folders (prints each folder)")
-    imp.add_argument("specs", nargs="+", help="hf:jdeschena/blockgen/<subfolder>, a release folder, or a name of `names`")
-    imp.add_argument("--tokenizer", default=None)
-    imp.add_argument("--out-dir", default=None, help="one spec only: write the checkpoint here instead of the cache")
-    args = parser.parse_args(argv)
-    if args.command == "names":
-        print(" ".join(f"{name}={sub_}" for name, sub_ in RELEASES.items()))
-        return 0
-    if args.command == "check":
-        try:
-            check_on_hub(args.names)
-        except (HubUnavailableError, ValueError) as err:
-            print(f"blockgen: the released checkpoints are needed here and unavailable: {err}\n{args.hint}", file=sys.stderr)
-            return 1
-        return 0
-    if args.command == "plan":
-        total = 0.0
-        print("# derived H200-hours: forward = 1/3 of REFERENCE.md's 0.094 s (BlockGen) / 0.057 s (AR) training step at batch 8 x 1,024; "
-              "generation counted FLOP-proportionally (a lower bound)")
-        for item in args.settings:
-            name, task, run, temperature = item.split("|")
-            seconds, what = plan_cost(name, task, run, args.k_mc, args.limit, args.batch)
-            total += seconds
-            print(f"{release_spec(name)}  {task}  {run}  T={temperature}  {seconds / 3600:.3f} H200-h  ({what})")
-        print(f"total: {len(args.settings)} settings, {total / 3600:.1f} H200-hours (derived)")
-        return 0
+
+def run_import(args) -> int:
     if args.out_dir and len(args.specs) != 1:
-        parser.error("--out-dir takes one spec")
+        print("blockgen import: error: --out-dir takes one spec", file=sys.stderr)
+        return 2
     for spec in args.specs:
         spec = release_spec(spec) if spec in RELEASES else spec
         print(import_release(spec, ReleaseOverrides(tokenizer=args.tokenizer), args.out_dir))
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def build_parser(parser) -> None:
+    """`blockgen released names|check|import` (mounted by harness/cli.py). A grid's cost on the releases is
+    `blockgen sweep released-owt --dry-run` (harness/sweep.py, with `plan_cost` above)."""
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("names", help="print name=subfolder for every release (the Makefile reads it)")
+    check = sub.add_parser("check", help="exit 1 unless the hub (or $%s) has these releases" % LOCAL_DIR_ENV)
+    check.add_argument("names", nargs="+")
+    check.add_argument("--hint", default="")
+    add_import_arguments(sub.add_parser("import", help="convert releases once into checkpoint folders (prints each folder)"))
 
+
+def run(args) -> int:
+    if args.action == "names":
+        print(" ".join(f"{name}={sub_}" for name, sub_ in RELEASES.items()))
+        return 0
+    if args.action == "check":
+        try:
+            check_on_hub(args.names)
+        except (HubUnavailableError, ValueError) as err:
+            print(f"blockgen: the released checkpoints are needed here and unavailable: {err}\n{args.hint}", file=sys.stderr)
+            return 1
+        return 0
+    return run_import(args)

@@ -1,8 +1,8 @@
 """Sample from a checkpoint on the command line.
 
-    python -m blockgen.harness.sample --checkpoint runs/masked-mix --prompt "Tom has 3 apples." --sep \\
+    blockgen sample --checkpoint runs/masked-mix --prompt "Tom has 3 apples." --sep \\
         --sampler arpc --steps 12 --ge 3 --temperature 0.1 --max-new-tokens 128
-    python -m blockgen.harness.sample --checkpoint DIR --prompt "" --num-samples 8 --out samples.jsonl
+    blockgen sample --checkpoint DIR --prompt "" --num-samples 8 --out samples.jsonl
 
 Each prompt is encoded as `[BOS] text` (`--no-bos` drops BOS, `--sep` appends the separator the
 word-problem models were trained with). Prompts run in batches of `--batch-size`; sample j (in
@@ -26,8 +26,8 @@ from blockgen.harness.checkpoint import checkpoint_special_tokens, load_checkpoi
 from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m blockgen.harness.sample", description="Sample from a BlockGen checkpoint.")
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """`blockgen sample` (mounted by harness/cli.py)."""
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json, model.safetensors, tokenizer), "
                    "or a released one: hf:jdeschena/blockgen/<subfolder> or its local folder")
     p.add_argument("--tokenizer", default=None, help="released checkpoints: a local copy of the setting's tokenizer")
@@ -52,11 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, help="write the samples as JSON lines")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no printed samples")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     texts = list(args.prompt)
     if args.prompts_file:
         texts += args.prompts_file.read_text().splitlines()
@@ -136,7 +134,3 @@ def main(argv: list[str] | None = None) -> int:
             for r in records:
                 f.write(json.dumps({**r, **meta}) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

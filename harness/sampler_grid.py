@@ -7,10 +7,10 @@ tests check every entry against it). Where the paper lists several variants at o
 is the one ``nfe=N`` picks unless ``ge``/``warmup``/``steps`` say otherwise (the demo's choice:
 GE 2-4, no warm-up, except ARPC (3, 2, 1) at NFE 4).
 
-    python -m blockgen.harness.sampler_grid arpc --nfe 4 8          # defaults: 3:2:1 6:3:0
-    python -m blockgen.harness.sampler_grid eipc --all              # every EIPC variant, steps:ge:warmup
+    blockgen variants arpc --nfe 4 8          # defaults: 3:2:1 6:3:0
+    blockgen variants eipc --all              # every EIPC variant, steps:ge:warmup
 
-This module imports nothing heavy (no torch): the Makefile calls it at parse time.
+This module imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -77,21 +77,19 @@ def pick(sampler: str, nfe: int, steps: int | None = None, ge: int | None = None
     return matching[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blockgen.harness.sampler_grid", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    """`blockgen variants` (mounted by harness/cli.py)."""
     parser.add_argument("sampler", choices=sorted(GRID))
     parser.add_argument("--nfe", type=int, nargs="+", default=list(NFES), help="NFE per block (default: all)")
     parser.add_argument("--all", action="store_true", help="every variant at each NFE, not only the default")
     parser.add_argument("--steps-only", action="store_true", help="print N_step alone (ancestral's grid)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         chosen = [v for n in args.nfe for v in (variants(args.sampler, n) if args.all else (pick(args.sampler, n),))]
     except ValueError as err:
-        parser.error(str(err))
+        print(f"blockgen variants: error: {err}", file=sys.stderr)
+        return 2
     print(" ".join(str(v.steps) if args.steps_only else v.spec() for v in chosen))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,8 +17,8 @@ says otherwise. vLLM's CUDA attention (FlashAttention) takes only float16/bfloat
 more mantissa bits than bfloat16 and GPT-2's activations fit its range (vLLM itself serves float32
 checkpoints as float16 by default). The CPU build keeps float32 (agrees with the transformers scorer to
 1e-3 in the tests). Under torchrun each rank's server gets its rank's GPU: the LOCAL_RANK-th entry of
-an inherited CUDA_VISIBLE_DEVICES (SLURM), else GPU LOCAL_RANK. `python -m blockgen.harness.scorers
-check-vllm --device cuda` prints the build and refuses a CPU build (what `make eval-owt` runs).
+an inherited CUDA_VISIBLE_DEVICES (SLURM), else GPU LOCAL_RANK. `blockgen scorers check-vllm
+--device cuda` prints the build and refuses a CPU build (what `make eval-owt` runs).
 
 A sweep (`blockgen sweep`) scores all its settings with one model: inside `shared_scorers()`,
 `borrow_featurizer` hands out one in-process copy per scorer config instead of loading one per call.
@@ -446,9 +446,12 @@ def server_dtype(config: ScorerConfig, build: VLLMBuild | None) -> str:
 def server_gpu(env: dict[str, str]) -> str | None:
     """CUDA_VISIBLE_DEVICES for a torchrun rank's server: its rank's entry of an inherited list
     (SLURM), else its LOCAL_RANK; None outside torchrun (the environment is inherited as is)."""
-    if "LOCAL_RANK" not in env:
+    from blockgen.harness.distributed import ranks_from_env  # imports torch: only where a server starts
+
+    ranks = ranks_from_env(env)
+    if not ranks.launched:
         return None
-    rank = int(env["LOCAL_RANK"])
+    rank = ranks.local_rank
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if not visible:
         return str(rank)
@@ -663,17 +666,16 @@ class VLLMScorer(Scorer):
             self.server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m blockgen.harness.scorers check-vllm [--device cuda]`: which vLLM build the scorer uses."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m blockgen.harness.scorers")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser(parser) -> None:
+    """`blockgen scorers check-vllm [--device cuda]` (mounted by harness/cli.py): which vLLM build the scorer uses."""
+    sub = parser.add_subparsers(dest="action", required=True)
     check = sub.add_parser("check-vllm", help="print the vLLM build owt_genppl's server would use; exit 1 on a "
                                               "CPU build when --device is cuda")
     check.add_argument("--device", default="cpu", help="the evaluation's device (cpu, cuda, cuda:N)")
     check.add_argument("--python", default=None, help="the vLLM interpreter (default: $BLOCKGEN_VLLM_PYTHON, .venv-vllm)")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
     try:
         build = vllm_build(vllm_python(args.python))
         print(f"vLLM scorer: {build.describe()}; server --dtype {server_dtype(ScorerConfig(), build)}")
@@ -683,7 +685,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"blockgen: {err}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@
     blockgen sweep gsm8k --dry-run                        # one line per setting and the estimated cost
     torchrun --nproc_per_node=8 -m blockgen.harness.cli sweep owt --runs runs --device cuda
 
-A grid (`GRIDS`, the one home of the benchmarks' grids; the variants by NFE come from
-`sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings. Per model:
+A grid (`GRIDS` in harness/grids.py, the one home of the evaluation grids; the variants by NFE come
+from `sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings. Per model:
 the likelihood task once, then per sampler family (`families`: AR decoding for block size 1 alone,
 ARPC for mixtures with block size 1, ancestral and EIPC otherwise) every variant at every
 temperature. Settings that decode the same way are run once (`ar_greedy` does not read the
@@ -18,7 +18,7 @@ results equal the per-process command's. Each setting writes its own lm-eval res
 (``--log_samples``: per-problem / per-sample outcomes) under ``<out-dir>/<model run>/<setting>/``,
 the folders the per-process Makefile used; a rerun skips a setting whose results record the same
 setting, checkpoint hash, limit and task metadata. Under torchrun the settings run data parallel
-(rank 0 writes). The demo's grid (`demo`) is listed here too; `blockgen demo` runs it on its own
+(rank 0 writes). The demo's grid (`demo`) is in the same registry; `blockgen demo` runs it on its own
 worker pool (harness/demo.py imports `demo_samplers`).
 
 Scorers: the `owt_genppl` settings of a sweep share one scorer: one vLLM server per process (per GPU
@@ -31,122 +31,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any
 
-from blockgen.harness.sampler_grid import GRID, NFES, Variant, pick
+from blockgen.harness.distributed import ranks_from_env
+from blockgen.harness.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
+from blockgen.harness.precision import DTYPES, check_dtype
+from blockgen.harness.presets import preset
+from blockgen.harness.sampler_grid import Variant
 
-Benchmark = Literal["owt", "tinygsm"]
-AR_RUNS = (Variant("ar_greedy", 1), Variant("ar_sample", 1))
 LIKELIHOOD = "likelihood"
 GENPPL_TASKS = ("owt_genppl", "owt_genppl_embedded")
-
-
-def _all(sampler: str, nfes: Iterable[int] = NFES) -> tuple[Variant, ...]:
-    return tuple(v for n in nfes for v in GRID[sampler][n])
-
-
-def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[Variant, ...]:
-    return tuple(pick(sampler, n) for n in nfes)
-
-
-@dataclass(frozen=True)
-class Grid:
-    """One benchmark's sweep: models x (likelihood task + generation settings)."""
-
-    benchmark: Benchmark
-    models: tuple[str, ...]
-    generation_task: str
-    likelihood_task: str | None
-    temperatures: tuple[float, ...]
-    ancestral_nfe: tuple[int, ...]
-    eipc: tuple[Variant, ...]
-    arpc: tuple[Variant, ...]
-    k_mc: int = 8
-    limit: int | None = None
-    batch_size: int = 32
-    offline: bool = False  # the embedded presets (`<benchmark>-embedded-<model>`), CPU scale
-    released: bool = False  # the paper's released checkpoints (harness/released.py), not this project's runs
-    demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
-    model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
-
-    def run_name(self, model: str) -> str:
-        """The model's run folder (its checkpoint, and its results folder under the results dir)."""
-        if self.released:
-            return f"released/{self.benchmark}-{model}"
-        if self.demo:
-            return model
-        return f"{self.benchmark}{'-embedded' if self.offline else ''}-{model}"
-
-
-_OWT_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
-_GSM_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix")
-_OWT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
-# OWT's ARPC: the defaults at NFE 8-32 and the paper's NFE-64 variant with GE 2.
-_OWT_ARPC = (*_defaults("arpc", (8, 16, 32)), pick("arpc", 64, 60, 2, 52))
-_FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32)
-_OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, offline=True)
-
-# The demo's grid (`blockgen demo` schedules it on its own worker pool, harness/demo.py): per NFE the
-# default variant of each diffusion sampler (`nfe=N`'s pick), ARPC only with block size 1; AR greedy
-# beside the mixtures as their speed-quality reference. DEMO_MAX_GEN_TOKS: the tokens each answer may
-# take at most (5 blocks of 16): gsm8k_code gives each row the smaller of this and the room its prompt
-# leaves in the demo's 128, so a longer prompt shortens the budget instead of being cut (`budget_hits`
-# counts the rows that used all of it).
-DEMO_NFES = (4, 8, 16)
-DEMO_VARIANTS: dict[int, tuple[Variant, ...]] = {n: tuple(pick(name, n) for name in ("ancestral", "eipc", "arpc"))
-                                                 for n in DEMO_NFES}
-DEMO_MAX_GEN_TOKS = 80
-
-
-def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list:
-    """The demo's samplers for a model (SamplerConfig): AR decoding for block size 1 alone; else every
-    NFE's variants at every temperature, ARPC where block size 1 is in the mixture, then AR greedy."""
-    from blockgen.models.sampling import SamplerConfig
-
-    ar_greedy = SamplerConfig("ar_greedy")
-    if tuple(block_sizes) == (1,):
-        return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
-    out = [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=t)
-           for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
-    return out + ([ar_greedy] if 1 in block_sizes else [])
-
-
-def _demo_models() -> tuple[str, ...]:
-    from blockgen.harness.train import DEMO_PRESETS
-
-    return DEMO_PRESETS
-
-
-GRIDS: dict[str, Grid] = {
-    "owt": Grid("owt", _OWT_MODELS, "owt_genppl", "owt_ppl", _OWT_TEMPS, arpc=_OWT_ARPC, **_FULL),
-    "gsm8k": Grid("tinygsm", _GSM_MODELS, "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"), **_FULL),
-    "owt-embedded": Grid("owt", ("ar", "masked-mix", "uniform-mix"), "owt_genppl_embedded", "owt_ppl_embedded", (1.0,),
-                         arpc=(pick("arpc", 8),), **_OFFLINE),
-    "gsm8k-embedded": Grid("tinygsm", ("ar", "masked-16", "masked-mix"), "gsm8k_code_embedded", None, (0.1,),
-                           arpc=_defaults("arpc", (4, 8)), **_OFFLINE),
-    "released-owt": Grid("owt", ("ar", "mdlm", "duo", *_OWT_MODELS[1:]), "owt_genppl", "owt_ppl", _OWT_TEMPS,
-                         arpc=_OWT_ARPC, released=True, **_FULL),
-    "released-gsm8k": Grid("tinygsm", ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "masked-mix", "uniform-mix",
-                                       "masked-mix32", "uniform-mix32"), "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"),
-                           released=True, **_FULL),
-    "demo": Grid("tinygsm", _demo_models(), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
-                 k_mc=8, batch_size=16, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
-    # CI's gsm8k_code regression (harness/outcomes.py): the demo's masked mixture stored under
-    # leaderboards/ci_gsm8k/ (--runs), its demo settings at NFE 4 (ancestral, EIPC, ARPC) and AR greedy.
-    "ci-gsm8k": Grid("tinygsm", ("gsm-masked-mix",), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=(4,), eipc=(), arpc=(),
-                     k_mc=8, limit=200, batch_size=32, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
-}
-
-
-def grid(name: str) -> Grid:
-    if name not in GRIDS:
-        raise ValueError(f"no grid {name!r}; choose one of {sorted(GRIDS)}")
-    return GRIDS[name]
 
 
 # ------------------------------------------------------------------------------ settings
@@ -167,9 +65,11 @@ class Setting:
     @property
     def label(self) -> str:
         """The setting's results folder: sampler-steps-ge-warmup-T<temperature>, or 'likelihood'."""
+        extra = dict(self.extra)
+        precision = "".join(f"-{x}" for x in (extra.get("dtype"), "tf32" if extra.get("tf32") else None) if x)
         if self.variant is None:
-            return LIKELIHOOD
-        return f"{self.variant.sampler}-{self.variant.spec().replace(':', '-')}-T{self.temperature}"
+            return LIKELIHOOD + precision
+        return f"{self.variant.sampler}-{self.variant.spec().replace(':', '-')}-T{self.temperature}{precision}"
 
     def model_args(self, k_mc: int) -> dict[str, Any]:
         """The blockgen `--model_args`, as the per-process Makefile command passed them."""
@@ -221,8 +121,6 @@ def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
         if setting.block_sizes:
             return tuple(setting.block_sizes)
         return (1,) if setting.algo == "ar" else (DATASETS[setting.dataset].seq_len,)
-    from blockgen.harness.train import preset
-
     return tuple(preset(model if g.demo else g.run_name(model)).block_sizes)
 
 
@@ -251,45 +149,72 @@ def settings(g: Grid, runs: str = "runs") -> list[Setting]:
 # ------------------------------------------------------------------------------ cost
 
 
-def estimate(g: Grid, s: Setting, model: str) -> tuple[float | None, str]:
-    """(derived H200-seconds or None, the work counted) of one setting. Full scale reuses the released
-    checkpoints' cost model (`released.plan_cost`: this project's presets are the paper's networks);
-    offline grids count model calls only (micro models on CPU: see the README's measured sweep)."""
+def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None) -> tuple[float | None, str]:
+    """(seconds or None, the work counted) of one setting: H200-seconds DERIVED for full-scale grids
+    (`released.plan_cost`: this project's presets are the paper's networks), CPU-seconds from MEASURED
+    rates for offline grids (`eval_cost.CPU_RATES`); None where no rate applies."""
+    from blockgen.harness import eval_cost
     from blockgen.harness.released import RELEASES, plan_cost
 
     run = LIKELIHOOD if s.variant is None else f"{s.variant.sampler}:{s.variant.spec()}"
     name = f"{g.benchmark}-{model}"
     if not g.offline and name in RELEASES:
         return plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
-    from blockgen.models.sampling import SamplerConfig, calls_per_block
-
-    n = g.limit or "all"
+    preset_name = model if g.demo else g.run_name(model)
+    config = preset(preset_name)
+    sizes = model_block_sizes(g, model, s.checkpoint)
+    rows = eval_cost.offline_rows(s.task, g.limit, metadata or {})
+    batch = g.batch_size
     if s.variant is None:
-        return None, f"{n} sequences x {g.k_mc} draws per block size"
-    v = s.variant
-    if v.sampler.startswith("ar_"):
-        return None, f"{n} samples, one call per token"
-    block = max(model_block_sizes(g, model, s.checkpoint))
-    calls = calls_per_block(SamplerConfig(name=v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, block_size=block), block)
-    return None, f"{n} samples x {calls} calls per block"
+        kind, calls = "likelihood", eval_cost.likelihood_passes(sizes, g.k_mc)
+    else:
+        v, cap = s.variant, dict(g.model_args).get("max_gen_toks")
+        budget = eval_cost.new_tokens(s.task, config.seq_len, cap)
+        kind, calls = eval_cost.generation_calls(v.sampler, v.steps, v.ge, v.warmup, max(sizes), budget)
+        batch = eval_cost.generation_batch(s.task, batch, cap)
+    if rows is None:
+        return None, f"all chunks x {calls} passes (count from the data: give --limit)"
+    work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
+    rate, note = eval_cost.cpu_rate(preset_name, batch)
+    seconds = eval_cost.cpu_seconds(work, rate, s.task) if rate else None
+    return seconds, work.describe() + (f"; {note}" if note else "")
 
 
-def dry_run(g: Grid, todo: list[Setting], out=None) -> float:
-    """One line per setting with its estimated cost; returns the total H200-seconds (0 offline)."""
+def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None) -> float:
+    """One line per setting with its estimated cost, a subtotal per model and the total, the pricing's
+    assumptions named in the header; returns the total seconds (H200 full scale, CPU offline)."""
+    from blockgen.harness.eval_cost import CPU_ASSUMPTIONS, CPU_RATES_MEASURED, FULL_SCALE_ASSUMPTIONS
+
     out = out or sys.stdout
-    total = 0.0
+    unit = "CPU" if g.offline else "H200"
+    total, per_model, unpriced = 0.0, {}, 0
     models = {g.run_name(m): m for m in g.models}
-    print(f"# blockgen sweep: {len(todo)} settings on {len(models)} models, each model loaded once; "
-          "cost derived (H200-hours: REFERENCE.md's training-step timings, generation a lower bound)", file=out)
+    print(f"# blockgen sweep: {len(todo)} settings on {len(models)} models, each model loaded once", file=out)
+    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.offline else FULL_SCALE_ASSUMPTIONS), file=out)
+    extra = dict(g.model_args)
+    precision = extra.get("dtype", "float32") + (" + TF32" if extra.get("tf32") else "")
+    print(f"# precision of this sweep: {precision} (--dtype, --tf32); "
+          + ("rates measured in float32" if g.offline else "the derived figures assume bf16 matmuls"), file=out)
     for s in todo:
-        seconds, what = estimate(g, s, models[s.run])
+        seconds, what = estimate(g, s, models[s.run], metadata)
         total += seconds or 0.0
-        cost = f"{seconds / 3600:.3f} H200-h" if seconds is not None else "-"
+        unpriced += seconds is None
+        n, sub = per_model.get(s.run, (0, 0.0))
+        per_model[s.run] = (n + 1, sub + (seconds or 0.0))
         t = "" if s.temperature is None else f"T={s.temperature}"
-        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {cost}  ({what})", file=out)
-    print(f"total: {len(todo)} settings, {len(models)} model loads, "
-          + (f"{total / 3600:.1f} H200-hours (derived)" if total else "cost: counted work only (offline grid)"), file=out)
+        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {_cost(seconds, unit)}  ({what})", file=out)
+    for run, (n, sub) in per_model.items():
+        print(f"# model {run}: {n} settings, {_cost(sub, unit)}", file=out)
+    kind = "derived" if unit == "H200" else "from measured CPU rates"
+    print(f"total: {len(todo)} settings, {len(models)} model loads, {_cost(total, unit)} ({kind}"
+          + (f"; {unpriced} settings not priced" if unpriced else "") + ")", file=out)
     return total
+
+
+def _cost(seconds: float | None, unit: str) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds / 3600:.3f} H200-h" if unit == "H200" else f"{seconds:.1f} CPU-s"
 
 
 # ------------------------------------------------------------------------------ running
@@ -309,6 +234,10 @@ class SweepConfig:
     metadata: dict = field(default_factory=dict)  # task metadata for every setting (e.g. scorer_model)
     dry_run: bool = False
     progress: bool = True
+    # the adapter's precision for every setting (harness/precision.py); other than float32, results go
+    # to folders named with it (`Setting.label`), so they never mix with float32 results
+    dtype: str = "float32"
+    tf32: bool = False
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)
@@ -320,6 +249,9 @@ class SweepConfig:
         for name in ("temperatures", "limit", "k_mc", "batch_size"):
             if getattr(self, name) is not None:
                 g = replace(g, **{name: getattr(self, name)})
+        other_dtype = DTYPES[check_dtype(self.dtype)] != DTYPES["float32"]
+        precision = ((("dtype", self.dtype),) if other_dtype else ()) + ((("tf32", True),) if self.tf32 else ())
+        g = replace(g, model_args=(*g.model_args, *precision))
         return g
 
     def results_root(self) -> Path:
@@ -434,7 +366,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     g = config.resolved_grid()
     todo = settings(g, config.runs)
     if config.dry_run:
-        dry_run(g, todo)
+        dry_run(g, todo, metadata=config.metadata)
         return SweepReport(settings=len(todo))
     import blockgen.lm_eval
     from blockgen.harness import scorers
@@ -458,7 +390,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
             report.skipped += len(group) - len(pending)
             if bar is None:
                 bar = tqdm(total=len(todo), desc="blockgen sweep", unit="setting",
-                           disable=not config.progress or int(os.environ.get("RANK", "0")) != 0)
+                           disable=not config.progress or not ranks_from_env().is_main)
             bar.update(len(group) - len(pending))
             if not pending:
                 continue
@@ -520,9 +452,8 @@ def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device
 # ------------------------------------------------------------------------------ command line
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="blockgen sweep", description=__doc__,
-                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    """`blockgen sweep` (mounted by harness/cli.py)."""
     parser.add_argument("grid", choices=sorted(GRIDS), help="the benchmark's grid")
     parser.add_argument("--runs", default="runs", help="folder of the models' run folders (<benchmark>[-embedded]-<model>/checkpoint)")
     parser.add_argument("--out-dir", default=None, help="results root (default: RUNS/results)")
@@ -535,7 +466,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--metadata", type=json.loads, default={}, help="task metadata (JSON) for every setting, as lm_eval's")
     parser.add_argument("--dry-run", action="store_true", help="print one line per setting and the estimated cost; run nothing")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
-    return parser
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="matmul precision of every setting (bfloat16: autocast; default float32)")
+    parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (opt-in: not measured on a GPU)")
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -544,21 +477,17 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
 
     return SweepConfig(grid=args.grid, runs=args.runs, out_dir=args.out_dir, models=tup(args.models),
                        temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
-                       device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress)
+                       device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress,
+                       dtype=args.dtype, tf32=args.tf32)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         report = run_sweep(config)
     except ValueError as err:
         print(f"blockgen sweep: {err}", file=sys.stderr)
         return 2
-    if not config.dry_run and int(os.environ.get("RANK", "0")) == 0:
+    if not config.dry_run and ranks_from_env().is_main:
         print("sweep: " + json.dumps(report.__dict__))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

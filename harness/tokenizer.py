@@ -1,4 +1,4 @@
-"""Tokenizers: a byte-level BPE trained locally (embedded default) or a hub tokenizer.
+"""Tokenizers: a byte-level BPE trained locally (`DataConfig.tokenizer = "local"`, the default) or a hub tokenizer.
 
 Whatever the source, the rest of the code sees a `transformers.PreTrainedTokenizerFast` and a
 `SpecialTokens` record. BOS may equal EOS (GPT-2): code that stops at EOS must never look at a

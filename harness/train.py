@@ -17,8 +17,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -27,28 +26,15 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save, save_checkpoint
-from blockgen.harness.data import DataConfig, Examples
+from blockgen.harness.data import DataConfig, Examples, current_names
+from blockgen.harness.distributed import DEFAULT_TIMEOUT_S, Distributed, setup_distributed
+from blockgen.harness.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
 from blockgen.harness.prepare import ensure_prepared, load_prepared
 from blockgen.harness.tokenizer import special_tokens
+from blockgen.models.backbone import SIZES
 from blockgen.models.diffusion import NELBO_CHUNK_TOKENS
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.objectives import stratified_indices, stratified_times
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    cond_dim: int
-    dropout: float
-
-
-SIZES = {
-    "micro": ModelSize(n_layers=2, d_model=64, n_heads=4, cond_dim=32, dropout=0.0),  # tests and CI
-    "tiny": ModelSize(n_layers=4, d_model=192, n_heads=4, cond_dim=64, dropout=0.0),  # ~2M params
-    "paper": ModelSize(n_layers=12, d_model=768, n_heads=12, cond_dim=128, dropout=0.1),  # ~170M with 50k vocab
-}
 
 
 @dataclass(frozen=True)
@@ -62,7 +48,7 @@ class TrainConfig:
     # "blockgen": the [x0 ; xt] model (block size 1 included); "ar": the paper's AR baseline, a plain
     # causal transformer over the L tokens without adaLN (the authors' algo=ar; block_sizes (1,), masked).
     architecture: Literal["blockgen", "ar"] = "blockgen"
-    size: Literal["micro", "tiny", "paper"] = "tiny"
+    size: Literal["micro", "tiny", "paper"] = "tiny"  # the network's shape: a name in backbone.SIZES
     seq_len: int = 128
     batch_size: int = 32  # global batch (sequences per optimizer step)
     # Sequences per process (GPU) in one forward/backward: what bounds memory. Gradient accumulation
@@ -80,7 +66,7 @@ class TrainConfig:
     k_mc: int = 8
     save_every: int = 250
     seed: int = 0
-    device: str = "auto"  # auto: cuda if available, else cpu
+    device: str = "auto"  # auto: cuda if available, else cpu (distributed.py: the device policy)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 autocast (CUDA)
     # auto: SDPA's boolean mask on every device. Measured on an H200 (paper-size model, batch 8,
     # L = 1024, bf16): 0.094 s/step with SDPA, 0.113 s with compiled flex_attention, 0.660 s eager.
@@ -93,7 +79,7 @@ class TrainConfig:
     peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
     # Timeout of every collective (NCCL's own default is 10 minutes). Data preparation happens before
     # the process group exists (`prepare.ensure_prepared`), so this only bounds training's own waits.
-    dist_timeout_s: int = 1800
+    dist_timeout_s: int = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -141,7 +127,7 @@ class TrainConfig:
             special_tokens=special,
             architecture=self.architecture,
             adaln=self.architecture != "ar",
-            **asdict(SIZES[self.size]),
+            shape=SIZES[self.size],
         )
 
     def to_dict(self) -> dict:
@@ -157,156 +143,12 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
-def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
-    return {"block_sizes": sizes, "block_weights": weights}
-
-
-# The embedded default's models (paper: gamma_1 = 0.05, gamma_16 = 0.95 for the ARPC mixtures), on the
-# generator's default level ("easy"): the AR model first, then the diffusion models from its weights
-# (`WARM_STARTS`). Cosine decay and the step counts fit the demo into 45 minutes on 2 cores (README,
-# "Embedded benchmark"); validation runs once, at the end, on 128 held-out problems.
-_DEMO = dict(eval_every=10**9, save_every=100, lr=1.5e-3, lr_schedule="cosine", data=DataConfig(n_val=128))
-PRESETS: dict[str, TrainConfig] = {
-    "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=800, **_DEMO),
-    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
-    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
-    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
-    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
-    # CI: seconds, not minutes.
-    "ci": TrainConfig(
-        prior="masked", **_mixture((1, 4), (0.5, 0.5)), size="micro", batch_size=16, max_steps=40, warmup_steps=5,
-        eval_every=20, save_every=20, k_mc=2, data=DataConfig(n_train=2000, n_val=32, vocab_size=512),
-    ),
-}
-PRESETS["ci-ar"] = replace(PRESETS["ci"], **_mixture((1,), (1.0,)))
-DEMO_PRESETS = ("gsm-ar", "gsm-masked-mix", "gsm-uniform-mix")
-# Where a preset starts when `blockgen demo` trains both (`init_from`): the mixtures start from the AR
-# model. From random weights they had not learned to copy numbers from the question after 1,000-1,800
-# CPU steps (0-1 % solved); from the AR weights, 200 steps were enough (README, "Embedded benchmark").
-WARM_STARTS = {name: "gsm-ar" for name in ("gsm-masked", "gsm-uniform", "gsm-masked-mix", "gsm-uniform-mix")} | {"ci": "ci-ar"}
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One of the paper's models or baselines: a prior and a block-size mixture (no separate code).
-
-    A block size of 0 stands for the benchmark's sequence length: one block over the whole sequence
-    is full-sequence diffusion (MDLM-like for the masked prior, Duo-like for the uniform one).
-    """
-
-    prior: Literal["masked", "uniform"]
-    block_sizes: tuple[int, ...]
-    block_weights: tuple[float, ...]
-    what: str
-    architecture: Literal["blockgen", "ar"] = "blockgen"
-
-    def config(self, base: TrainConfig, name: str) -> TrainConfig:
-        sizes = tuple(b or base.seq_len for b in self.block_sizes)
-        return replace(base, out_dir=f"runs/{name}", prior=self.prior, block_sizes=sizes, block_weights=self.block_weights,
-                       architecture=self.architecture)
-
-
-def _single(prior: str, block: int) -> Variant:
-    loss = "cross-entropy" if prior == "masked" else "NELBO"
-    return Variant(prior, (block,), (1.0,), f"single-block {prior} diffusion, L' = {block}, trained on the {loss}")
-
-
-VARIANTS: dict[str, Variant] = {
-    "ar": Variant("masked", (1,), (1.0,), "the paper's AR baseline: plain causal transformer over L tokens, exact NLL", "ar"),
-    # BlockGen's own AR path ([x0 ; xt] over 2L at block size 1): the demo's gsm-ar, which mixtures warm-start from.
-    "blockgen-b1": Variant("masked", (1,), (1.0,), "BlockGen at block size 1 ([x0 ; xt], 2L tokens): autoregressive, exact NLL"),
-    **{f"{p}-{b}": _single(p, b) for p in ("masked", "uniform") for b in (4, 8, 16, 32)},
-    "mdlm": Variant("masked", (0,), (1.0,), "full-sequence masked diffusion (MDLM-like): one block of L"),
-    "duo": Variant("uniform", (0,), (1.0,), "full-sequence uniform diffusion (Duo-like): one block of L"),
-    **{
-        f"{p}-mix": Variant(p, (1, 16), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_16 = 0.95 (table 1, figures 1-2)")
-        for p in ("masked", "uniform")
-    },
-    **{
-        f"{p}-mix32": Variant(p, (1, 32), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_32 = 0.95 (block size 32 tables)")
-        for p in ("masked", "uniform")
-    },
-    **{
-        f"{p}-mix-flat": Variant(p, (1, 2, 4, 8, 16), (0.2,) * 5, f"BlockGen {p}, gamma_i = 0.2 over 1, 2, 4, 8, 16 (table 1)")
-        for p in ("masked", "uniform")
-    },
-}
-
-# The paper's training recipe (appendix: AdamW 3e-4, 2,500 warm-up steps, batch 512, clip 1, EMA
-# 0.9999, dropout 0.1 in the "paper" size, bf16) and each benchmark's models. The "-embedded" twins
-# run the same variants offline at small scale on CPU (offline text or word problems, micro model).
-# micro_batch: the authors' sequences per GPU (OWT 16 GPUs x 32 x 1,024, TinyGSM 8 x 64 x 512 tokens),
-# which fit an 80 GB GPU (32 x 1,024 peaked at 56.5 GB eager on an H200); with fewer GPUs the rest of
-# the batch of 512 is gradient accumulation.
-_PAPER = dict(size="paper", batch_size=512, lr=3e-4, warmup_steps=2500, ema_decay=0.9999, precision="bf16",
-              compile=True, eval_every=10_000, save_every=5_000)
-_OFFLINE = dict(size="micro", seq_len=128, batch_size=32, lr=3e-3, warmup_steps=20, max_steps=300, eval_every=300,
-                save_every=100, k_mc=2)
-_OWT_VARIANTS = ("ar", "blockgen-b1", "masked-4", "masked-8", "masked-16", "uniform-4", "uniform-8", "uniform-16", "mdlm", "duo",
-                 "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
-_TINYGSM_VARIANTS = ("ar", "blockgen-b1", "masked-16", "uniform-16", "masked-32", "uniform-32", "mdlm", "duo",
-                     "masked-mix", "uniform-mix", "masked-mix32", "uniform-mix32")
-BENCHMARKS: dict[str, tuple[TrainConfig, tuple[str, ...]]] = {
-    # OWT, table 1: GPT-2 tokenizer, L = 1024, 1M steps (table 3's single-block runs stop at 250k).
-    "owt": (TrainConfig(seq_len=1024, micro_batch=32, max_steps=1_000_000, data=DataConfig(source="owt", tokenizer="gpt2", n_val=1000), **_PAPER), _OWT_VARIANTS),
-    # TinyGSM, figures 1-2 and tables 4-10: SmolLM-135M tokenizer, L = 512, 250k steps, loss on the padding
-    # (the authors' train_on_pad=True; the embedded twin keeps the demo's setting, no loss on padding).
-    "tinygsm": (
-        TrainConfig(seq_len=512, micro_batch=64, max_steps=250_000, data=DataConfig(source="tinygsm", tokenizer="HuggingFaceTB/SmolLM-135M", n_val=1000, train_on_pad=True), **_PAPER),
-        _TINYGSM_VARIANTS,
-    ),
-    "owt-embedded": (TrainConfig(data=DataConfig(source="text", vocab_size=1024, n_val=64), **_OFFLINE), _OWT_VARIANTS),
-    "tinygsm-embedded": (TrainConfig(data=DataConfig(n_train=5000, n_val=64, vocab_size=512), **_OFFLINE), _TINYGSM_VARIANTS),
-}
-PRESETS.update(
-    {f"{bench}-{v}": VARIANTS[v].config(base, f"{bench}-{v}") for bench, (base, variants) in BENCHMARKS.items() for v in variants}
-)
-
-
-def preset(name: str, **overrides) -> TrainConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
-
-
 # ---------------------------------------------------------------------------------------------
 # distributed plumbing
 
 
-@dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: str = "cpu"
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str, timeout_s: int = 1800) -> Dist:
-    """Join the torchrun process group if launched by torchrun; otherwise a single process.
-
-    `timeout_s` bounds every collective (and the group's start-up); NCCL's own default is 10 minutes."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(0, 1, device)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        if rank == 0:
-            print(f"blockgen: process group {backend}, {world} processes, timeout {timeout_s} s", flush=True)
-    return Dist(rank, world, device)
-
-
-def all_reduce_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world > 1:
+def all_reduce_sum(x: torch.Tensor, d: Distributed) -> torch.Tensor:
+    if d.world_size > 1:
         x = x.clone()
         dist.all_reduce(x)
     return x
@@ -375,12 +217,12 @@ def warm_start(model: BlockGen, checkpoint: str | Path, tokenizer) -> None:
 
 
 @torch.no_grad()
-def validate(model: BlockGen, val: Examples, k_mc: int, batch_size: int, d: Dist, seed: int) -> dict:
+def validate(model: BlockGen, val: Examples, k_mc: int, batch_size: int, d: Distributed, seed: int) -> dict:
     """Token-level NLL (log-sum-exp and Jensen bounds) of the validation set; sharded over ranks."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)
     gen = torch.Generator(device=d.device).manual_seed(seed)
-    shard = val[d.rank :: d.world]
+    shard = val[d.rank :: d.world_size]
     for i in range(0, len(shard), batch_size):
         b = shard[i : i + batch_size]
         x, lm, cm = (t.to(d.device) for t in (b.tokens, b.loss_mask, b.condition_mask))
@@ -443,9 +285,9 @@ def training_flops_per_step(config: BlockGenConfig, batch_size: int) -> float:
       output head  2 L d V (noisy half only)
     Embedding lookups, norms, adaLN (once per sequence) and softmax are left out.
     """
-    n, d, L = network_tokens(config), config.d_model, config.seq_len
+    n, d, L = network_tokens(config), config.shape.d_model, config.seq_len
     vocab = config.backbone().vocab_size
-    forward = config.n_layers * (2 * n * 12 * d * d + 4 * n * n * d) + 2 * L * d * vocab
+    forward = config.shape.n_layers * (2 * n * 12 * d * d + 4 * n * n * d) + 2 * L * d * vocab
     return 3.0 * forward * batch_size
 
 
@@ -455,7 +297,7 @@ def training_flops_per_step(config: BlockGenConfig, batch_size: int) -> float:
 # two boolean masks. SDPA's fused kernels (CPU flash, CUDA memory-efficient) keep no N x N attention
 # matrix. Bytes per element: 4 in fp32; 2.5 under bf16 autocast (matmul inputs in bf16, LayerNorm
 # inputs and the residual stream in fp32) is inferred from the 56.5 GB eager peak measured on an H200
-# at 32 x 1,024 (REFERENCE.md), not measured here.
+# at 32 x 1,024 (reference H200 measurements, docs/training.md), not measured here.
 ACTIVATION_ELEMENTS_PER_LAYER = {True: 25.0, False: 20.0}  # by adaLN
 GB = 1e9
 
@@ -495,8 +337,9 @@ def memory_estimate(config: BlockGenConfig, n_params: int, micro_batch: int, bf1
     tokens = network_tokens(config)
     vocab = config.backbone().vocab_size
     per_element = 2.5 if bf16 else 4.0
-    per_layer = ACTIVATION_ELEMENTS_PER_LAYER[config.adaln] + (0.5 if config.dropout > 0 else 0.0)  # bool masks: 1 byte
-    layers = micro_batch * config.n_layers * tokens * config.d_model * per_layer * per_element
+    shape = config.shape
+    per_layer = ACTIVATION_ELEMENTS_PER_LAYER[config.adaln] + (0.5 if shape.dropout > 0 else 0.0)  # bool masks: 1 byte
+    layers = micro_batch * shape.n_layers * tokens * shape.d_model * per_layer * per_element
     logits = micro_batch * config.seq_len * vocab * 4.0  # float32, kept by the loss's logsumexp / log_softmax
     return MemoryEstimate(
         weights=4.0 * n_params,
@@ -509,14 +352,6 @@ def memory_estimate(config: BlockGenConfig, n_params: int, micro_batch: int, bf1
         backward_transient=logits * (1.5 if bf16 else 1.0) + (6 * 8.0 * NELBO_CHUNK_TOKENS * vocab if config.prior == "uniform" else 0.0),
         micro_batch=micro_batch,
     )
-
-
-def enable_tf32() -> None:
-    """TF32 tensor cores for float32 matmuls and convolutions on CUDA, as the authors train (the
-    bf16 autocast regions are unaffected; float32 outside them, e.g. the loss, gets 10-bit mantissas
-    in matmuls only). Process-wide: called by training on CUDA."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
 
 
 @contextlib.contextmanager
@@ -554,7 +389,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     out = Path(config.out_dir)
     ckpt_dir = out / "checkpoint"
-    if d.main:
+    if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
     # Every rank reads the prepared cache (memory-mapped) and the tokenizer saved with it: no hub access.
     tokenizer, train_data, val_data, data_info = load_prepared(prepared, config.data.n_val)
@@ -566,14 +401,15 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     ema = EMA(model, config.ema_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
     step = 0
-    if d.main:
+    if d.is_main:
         finish_interrupted_save(ckpt_dir)
-    if d.world > 1:
+    if d.world_size > 1:
         dist.barrier()
     if (ckpt_dir / TRAINING_STATE).is_file():
         state = torch.load(ckpt_dir / TRAINING_STATE, map_location=d.device, weights_only=False)
         # a setting added after the checkpoint was written had its default then
         saved = {**TrainConfig().to_dict(), **state["config"]}
+        saved["data"] = current_names(saved["data"])  # renamed values ("embedded") in today's spelling
         changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
         if changed:
             raise ValueError(f"{ckpt_dir} was written with different {changed}; use another out_dir")
@@ -581,30 +417,30 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
         step = state["step"]
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else None
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else None
     # through DDP's __call__ (when distributed), so that backward all-reduces gradients
     net = ddp if ddp is not None else model
     if config.compile:
         net = torch.compile(net, dynamic=False)  # block_size is a Python int: one graph per block size
 
-    grad_accum = config.grad_accum(d.world)
-    slots = d.world * grad_accum
+    grad_accum = config.grad_accum(d.world_size)
+    slots = d.world_size * grad_accum
     micro = config.batch_size // slots
-    bf16 = config.precision == "bf16" and d.device.startswith("cuda")
+    bf16 = config.precision == "bf16" and d.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    if d.device.startswith("cuda"):
+    if d.device.type == "cuda":
         enable_tf32()
-    if d.main:
+    if d.is_main:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{micro} sequences per process and micro-batch, {grad_accum} micro-batches per step; "
-              + memory_estimate(model_config, n_params, micro, bf16, d.world).describe(), flush=True)
+              + memory_estimate(model_config, n_params, micro, bf16, d.world_size).describe(), flush=True)
     log_path = out / "metrics.jsonl"
     flops_per_step = training_flops_per_step(model_config, config.batch_size)
-    peak = peak_flops(d.device, config.peak_tflops)
-    if d.main:
+    peak = peak_flops(str(d.device), config.peak_tflops)
+    if d.is_main:
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
         keep_records_up_to(log_path, step)  # a killed run may have logged steps after its last checkpoint
-    bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.main), desc=out.name, dynamic_ncols=True)
+    bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.is_main), desc=out.name, dynamic_ncols=True)
     tokens_per_step = config.batch_size * config.seq_len  # the L tokens of each sequence, as bench/ counts them
     train_seconds, steps_timed, first_step = 0.0, 0, step + 1
 
@@ -615,7 +451,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         return copied
 
     def checkpoint(final: bool) -> None:
-        if not d.main:
+        if not d.is_main:
             return
         state = {
             "config": config.to_dict(),
@@ -658,7 +494,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         optimizer.zero_grad(set_to_none=True)
         ema.update(model, step)
         step += 1
-        loss_val = all_reduce_sum(loss_sum, d).item() / d.world  # .item() waits for the device
+        loss_val = all_reduce_sum(loss_sum, d).item() / d.world_size  # .item() waits for the device
         seconds = time.perf_counter() - step_start
         if step > first_step:  # a process's first step includes start-up (and compilation)
             train_seconds, steps_timed = train_seconds + seconds, steps_timed + 1
@@ -666,24 +502,24 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
             "block_sizes": [model_config.block_sizes[i] for i in block_idx],
             "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
-            "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world),
+            "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world_size),
         }
         bar.update(1)
         if steps_timed:  # running means over the timed steps
             rate = tokens_per_step * steps_timed / train_seconds
-            mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world):.1%}"
+            mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world_size):.1%}"
             bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rate:.0f}", **({"mfu": mfu} if mfu else {}))
         if step % config.eval_every == 0 or step == config.max_steps:
             with names_the_knob(micro, grad_accum):
                 record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
-            if d.main:
+            if d.is_main:
                 bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
-        if d.main:
+        if d.is_main:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if step % config.save_every == 0 or step == config.max_steps:
             checkpoint(final=step == config.max_steps)
     bar.close()
-    if d.world > 1:
+    if d.world_size > 1:
         dist.barrier()
     return ckpt_dir

@@ -2,40 +2,17 @@
 
 One code path: the demo's numbers come from `lm_eval.simple_evaluate` on the same task a user runs
 with `lm_eval --model blockgen --tasks gsm8k_code_embedded`; this module only builds the call and
-reads the results back. `score_completions` scores ready-made completions with the task's own
-scoring (extract the program, run it in the sandbox, compare).
+reads the results back.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from blockgen.models.sampling import SamplerConfig
-from blockgen.tasks.sandbox import SandboxConfig, extract_code, run_many
 
 TASK = "gsm8k_code_embedded"
-
-
-@dataclass(frozen=True)
-class Problem:
-    question: str
-    answer: int | float
-
-
-def sampler_model_args(sampler: SamplerConfig) -> dict:
-    """The blockgen `--model_args` that select a sampler and its settings."""
-    if sampler.is_ar:
-        args = {"sampler": sampler.name}
-        return args if sampler.name == "ar_greedy" else {**args, "temperature": sampler.temperature}
-    args = {"sampler": sampler.name, "steps": sampler.steps, "temperature": sampler.temperature}
-    if sampler.name in ("eipc", "arpc"):
-        args.update(ge=sampler.ge, warmup=sampler.warmup)
-    if sampler.block_size is not None:
-        args["block_size"] = sampler.block_size
-    return args
 
 
 def evaluate_embedded(
@@ -58,6 +35,7 @@ def evaluate_embedded(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from blockgen.harness.lm_eval_adapter import sampler_model_args
     from blockgen.lm_eval import register, tasks_dir
 
     register()  # idempotent; this process may not have the start-up hook
@@ -116,18 +94,3 @@ def report(out: dict) -> dict:
         "truncated_prompts": usage["truncated_requests"],
         "budget_hits": metrics.get("budget_hits"),
     }
-
-
-def score_completions(
-    completions: Sequence[str], problems: Sequence[Problem], sandbox: SandboxConfig | None = None
-) -> tuple[int, dict[str, int]]:
-    """(number correct, count of each sandbox outcome) of ready-made completions, scored as the task scores them."""
-    from blockgen.tasks.gsm8k_code import verdict
-
-    programs = [extract_code(c) for c in completions]
-    results = run_many(programs, sandbox or SandboxConfig(wall_timeout_s=2.0, cpu_time_s=2))
-    outcomes: dict[str, int] = {}
-    for r in results:
-        outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
-    verdicts = [verdict({"outcome": r.outcome.value, "value": r.value}, str(p.answer)) for r, p in zip(results, problems)]
-    return verdicts.count("correct"), outcomes

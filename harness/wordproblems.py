@@ -104,7 +104,7 @@ class Difficulty:
 # problems). "easy" is the embedded default: the first 5 templates, single-step, no distractor; a
 # tiny model trained for minutes on 2 CPU cores learns it well enough that samplers and priors
 # separate, while "medium" (10 templates, one follow-up in half the problems) left them all near 0 %
-# at the same budget (README, "Embedded benchmark").
+# at the same budget (docs/results.md, "Why the demo's mixtures start from the AR model").
 DIFFICULTIES: dict[str, Difficulty] = {
     "easy": Difficulty(templates=5, depth_weights=(1.0, 0.0, 0.0), distractor_prob=0.0),
     "medium": Difficulty(templates=10, depth_weights=(0.5, 0.5, 0.0), distractor_prob=0.1),

@@ -5,7 +5,8 @@ the embedding of t = 0 for every token, so the clean stream's keys and values ne
 noise level and can be cached. The block size is an argument of the forward pass (through the
 attention layout), never of the model.
 
-Options (`BackboneConfig`), so the baselines and other code bases' networks are this one network:
+The network's size is a `ModelShape` (named ones in `SIZES`), declared here once. Its options
+(`BackboneConfig`), so the baselines and other code bases' networks are this one network:
 - `architecture`: "blockgen" runs `[x0 ; xt]` with the BlockGen mask; "ar" is a plain causal
   transformer over the clean tokens (row i predicts token i + 1); "full_sequence" is one
   bidirectional pass over the noisy sequence only (MDLM, Duo).
@@ -33,13 +34,34 @@ ARCHITECTURES = ("blockgen", "ar", "full_sequence")
 
 
 @dataclass(frozen=True)
-class BackboneConfig:
-    vocab_size: int  # size of the model's input/output alphabet (tokenizer vocabulary + [MASK] if any)
+class ModelShape:
+    """The network's size: the one place these fields are declared. `BlockGenConfig` holds one (its
+    config.json keeps the fields flat, at the top level), `BackboneConfig` passes it to the DiT, and
+    `SIZES` names the ones training presets pick (`TrainConfig.size`). Defaults: the paper's DiT."""
+
     n_layers: int = 12
     d_model: int = 768
     n_heads: int = 12
-    cond_dim: int = 128
+    cond_dim: int = 128  # width of the adaLN conditioning vector
     dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+
+# The named shapes (`TrainConfig.size`, `--size`); parameter counts pinned in tests/test_config.py.
+SIZES: dict[str, ModelShape] = {
+    "micro": ModelShape(n_layers=2, d_model=64, n_heads=4, cond_dim=32, dropout=0.0),  # tests and CI
+    "tiny": ModelShape(n_layers=4, d_model=192, n_heads=4, cond_dim=64, dropout=0.0),  # ~2M params
+    "paper": ModelShape(n_layers=12, d_model=768, n_heads=12, cond_dim=128, dropout=0.1),  # ~170M with 50k vocab
+}
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    vocab_size: int  # size of the model's input/output alphabet (tokenizer vocabulary + [MASK] if any)
+    shape: ModelShape = ModelShape()
     max_len: int = 1024
     causal_clean: bool = True  # token-causal clean stream (one KV cache for every block size)
     attention: Literal["sdpa", "flex"] = "sdpa"
@@ -49,8 +71,6 @@ class BackboneConfig:
     cond_silu: bool = False  # c = silu(MLP(e(sigma))) as the authors' DiT; False: MLP(e(t))
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.attention not in ("sdpa", "flex"):
             raise ValueError(f"attention={self.attention!r}; choose 'sdpa' or 'flex'")
         if self.architecture not in ARCHITECTURES:
@@ -138,9 +158,9 @@ def compiled_flex_attention():
 class Attention(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_heads, d = cfg.shape.n_heads, cfg.shape.d_model
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
 
     def forward(self, x, rotary, mask, cache: KVCache | None, layer: int, n_commit: int):
         b, n, d = x.shape
@@ -165,17 +185,16 @@ class Attention(nn.Module):
 class DiTBlock(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
-        self.norm1 = LayerNorm(cfg.d_model)
+        d = cfg.shape.d_model
+        self.norm1 = LayerNorm(d)
         self.attn = Attention(cfg)
-        self.norm2 = LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(approximate="tanh"), nn.Linear(4 * cfg.d_model, cfg.d_model)
-        )
+        self.norm2 = LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
         if cfg.adaln:
-            self.adaLN = nn.Linear(cfg.cond_dim, 6 * cfg.d_model)
+            self.adaLN = nn.Linear(cfg.shape.cond_dim, 6 * d)
             nn.init.zeros_(self.adaLN.weight)
             nn.init.zeros_(self.adaLN.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.shape.dropout)
 
     def forward(self, x, cond, rotary, mask, cache, layer, n_commit):
         if cond is None:  # no adaLN: plain pre-norm block (gates 1, no shift or scale)
@@ -206,11 +225,11 @@ class TimestepEmbedder(nn.Module):
 class FinalLayer(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
-        self.norm = LayerNorm(cfg.d_model)
-        self.linear = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self.norm = LayerNorm(cfg.shape.d_model)
+        self.linear = nn.Linear(cfg.shape.d_model, cfg.vocab_size)
         layers = [self.linear]
         if cfg.adaln:
-            self.adaLN = nn.Linear(cfg.cond_dim, 2 * cfg.d_model)
+            self.adaLN = nn.Linear(cfg.shape.cond_dim, 2 * cfg.shape.d_model)
             layers.append(self.adaLN)
         for layer in layers:
             nn.init.zeros_(layer.weight)
@@ -227,13 +246,14 @@ class DiT(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)  # untied from the output layer
+        shape = cfg.shape
+        self.embed = nn.Embedding(cfg.vocab_size, shape.d_model)  # untied from the output layer
         if cfg.adaln:
-            self.time = TimestepEmbedder(cfg.cond_dim)
-        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_len)
-        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.n_layers))
+            self.time = TimestepEmbedder(shape.cond_dim)
+        self.rotary = Rotary(shape.d_model // shape.n_heads, cfg.max_len)
+        self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(shape.n_layers))
         self.final = FinalLayer(cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(shape.dropout)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -13,13 +13,13 @@ Every family has the same methods: `forward` (training loss), `nll_bounds`, `nll
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 import torch
 import torch.nn as nn
 
-from blockgen.models.backbone import ARCHITECTURES, BackboneConfig, DiT
+from blockgen.models.backbone import ARCHITECTURES, BackboneConfig, DiT, ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, Randomness, UniformPrior, make_prior, uniform
 from blockgen.models.objectives import (
     BlockMixture,
@@ -35,18 +35,18 @@ from blockgen.models.objectives import (
 
 @dataclass(frozen=True)
 class BlockGenConfig:
-    """Everything needed to rebuild a model from its checkpoint's config.json."""
+    """Everything needed to rebuild a model from its checkpoint's config.json.
+
+    config.json is flat: the network's size (`shape`) is written as its fields (n_layers, d_model,
+    ...) at the top level where they always stood, so every checkpoint reads and writes one format.
+    """
 
     vocab_size: int  # real vocabulary (the tokenizer's); the masked prior adds [MASK] after it
     seq_len: int
     prior: Literal["masked", "uniform"] = "masked"
     block_sizes: tuple[int, ...] = (16,)
     block_weights: tuple[float, ...] = (1.0,)
-    n_layers: int = 12
-    d_model: int = 768
-    n_heads: int = 12
-    cond_dim: int = 128
-    dropout: float = 0.1
+    shape: ModelShape = ModelShape()  # the network's size (backbone.SIZES names some)
     causal_clean: bool = True
     eps: float = 1e-3
     attention: Literal["sdpa", "flex"] = "sdpa"
@@ -83,11 +83,7 @@ class BlockGenConfig:
     def backbone(self) -> BackboneConfig:
         return BackboneConfig(
             vocab_size=make_prior(self.prior, self.vocab_size).model_vocab_size,
-            n_layers=self.n_layers,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            cond_dim=self.cond_dim,
-            dropout=self.dropout,
+            shape=self.shape,
             max_len=self.seq_len,
             causal_clean=self.causal_clean,
             attention=self.attention,
@@ -98,19 +94,25 @@ class BlockGenConfig:
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """config.json's fields: flat, the shape's fields in its place (the order is the file's)."""
+        out: dict = {}
+        for key, value in asdict(self).items():
+            out.update(value if key == "shape" else {key: value})
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockGenConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known - {"model_type", "training"}
+        """From config.json's flat fields (`to_dict`); a missing field takes its default."""
+        shape_keys = [f.name for f in fields(ModelShape)]
+        own = [f.name for f in fields(cls) if f.name != "shape"]
+        unknown = set(d) - set(own) - set(shape_keys) - {"model_type", "training"}
         if unknown:
-            raise ValueError(f"unknown BlockGen config fields {sorted(unknown)}; known: {sorted(known)}")
-        d = {k: v for k, v in d.items() if k in known}
+            raise ValueError(f"unknown BlockGen config fields {sorted(unknown)}; known: {sorted(own + shape_keys)}")
+        kwargs = {k: d[k] for k in own if k in d}
         for key in ("block_sizes", "block_weights"):
-            if key in d:
-                d[key] = tuple(d[key])
-        return cls(**d)
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key])
+        return cls(**kwargs, shape=ModelShape(**{k: d[k] for k in shape_keys if k in d}))
 
 
 @dataclass(frozen=True)

@@ -37,19 +37,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from lm_eval.api.filter import Filter
 from lm_eval.api.samplers import ContextSampler
 from tqdm import tqdm
 
+from blockgen.harness.distributed import ranks_from_env
 from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
 from blockgen.tasks.model_info import checkpoint_tokenizer, model_max_length, model_path
 from blockgen.tasks.owt import YamlClassTask
-from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, is_correct, run_many
+from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, run_many
 
 GSM8K_HUB = ("openai/gsm8k", "main", "test")
-EMBEDDED_PROBLEMS = 500
 EMBEDDED_SEED = 0
 # Every verdict but "correct", in the order the results list them.
 OUTCOMES = (
@@ -144,7 +145,7 @@ def load_gsm8k(gsm8k_path: str | None = None, **metadata):
     return _dataset([{"question": q, "answer": a} for q, a in zip(data["question"], data["answer"])], metadata)
 
 
-def generated_test_problems(n: int = EMBEDDED_PROBLEMS, difficulty: str = DEFAULT_DIFFICULTY) -> list[dict]:
+def generated_test_problems(n: int, difficulty: str = DEFAULT_DIFFICULTY) -> list[dict]:
     """The first n generated test problems (seed 0) of a difficulty level: question, answer
     ('#### N'), is_heldout, structure."""
     from blockgen.harness.wordproblems import generate, is_heldout
@@ -155,7 +156,8 @@ def generated_test_problems(n: int = EMBEDDED_PROBLEMS, difficulty: str = DEFAUL
     ]
 
 
-def load_embedded(embedded_problems: int = EMBEDDED_PROBLEMS, difficulty: str = DEFAULT_DIFFICULTY, **metadata):
+def load_embedded(embedded_problems: int, difficulty: str = DEFAULT_DIFFICULTY, **metadata):
+    """The embedded test problems; `embedded_problems` comes from the task YAML's metadata (500) or --metadata."""
     if not isinstance(embedded_problems, int) or embedded_problems < 1:
         raise ValueError(f"embedded_problems={embedded_problems!r}; must be a positive integer")
     return _dataset(generated_test_problems(embedded_problems, difficulty), metadata)
@@ -233,10 +235,45 @@ class ExecutePrograms(Filter):
 
     def apply(self, resps, docs) -> list[str]:
         programs = [extract_code(r[0] if r else "") for r in resps]  # one response per doc (repeats: 1)
-        quiet = int(os.environ.get("RANK", "0")) != 0
+        quiet = not ranks_from_env().is_main
         with tqdm(total=len(programs), desc="gsm8k_code: running programs in the sandbox", disable=quiet) as bar:
             results = run_many(programs, self.config, self.max_workers, progress=lambda _: bar.update())
         return [program_record(p, r) for p, r in zip(programs, results)]
+
+
+# ------------------------------------------------------------------------------ answers
+
+
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def parse_gsm8k_answer(text: str) -> int | float | None:
+    """The number after the last `####` (or the first number in `text`): '1,000' -> 1000."""
+    tail = text.rsplit("####", 1)[-1].replace("$", "")
+    match = _NUMBER.search(tail)
+    if match is None:
+        return None
+    number = match.group().replace(",", "")
+    try:
+        return float(number) if "." in number else int(number)
+    except ValueError:
+        return None
+
+
+def is_correct(
+    result: SandboxResult | int | float | None, reference: str | int | float
+) -> bool:
+    """Integers must match exactly; anything involving a float must be within 1e-3."""
+    value = result.value if isinstance(result, SandboxResult) else result
+    ref = parse_gsm8k_answer(reference) if isinstance(reference, str) else reference
+    if value is None or ref is None or isinstance(value, bool) or isinstance(ref, bool):
+        return False
+    if isinstance(value, int) and isinstance(ref, int):
+        return value == ref
+    try:
+        return abs(float(value) - float(ref)) <= 1e-3
+    except OverflowError:
+        return False
 
 
 def verdict(record: dict, answer: str) -> str:

@@ -69,7 +69,9 @@ NOBODY = 65534
 # the runs alive on the host (a pid is at most 2**22), above the usual account and subuid ranges.
 UID_BASE = 1 << 30
 MAX_CONCURRENT = 256  # programs one evaluator process runs at the same time
-MAX_INT_BITS = 4096  # the child sends larger integers as +-inf (sandbox_child.MAX_INT_BITS)
+# The child sends larger integers as +-inf (sandbox_child.MAX_INT_BITS; a test keeps the two equal).
+# Not imported: an unprivileged evaluator loads this file alone, outside the package.
+MAX_INT_BITS = 4096
 
 _CHUNK = 64 * KiB
 _RESULT_LIMIT = 16 * KiB
@@ -941,35 +943,3 @@ def _parses(code: str) -> bool:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True
-
-
-_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
-
-
-def parse_gsm8k_answer(text: str) -> int | float | None:
-    """The number after the last `####` (or the first number in `text`): '1,000' -> 1000."""
-    tail = text.rsplit("####", 1)[-1].replace("$", "")
-    match = _NUMBER.search(tail)
-    if match is None:
-        return None
-    number = match.group().replace(",", "")
-    try:
-        return float(number) if "." in number else int(number)
-    except ValueError:
-        return None
-
-
-def is_correct(
-    result: SandboxResult | int | float | None, reference: str | int | float
-) -> bool:
-    """Integers must match exactly; anything involving a float must be within 1e-3."""
-    value = result.value if isinstance(result, SandboxResult) else result
-    ref = parse_gsm8k_answer(reference) if isinstance(reference, str) else reference
-    if value is None or ref is None or isinstance(value, bool) or isinstance(ref, bool):
-        return False
-    if isinstance(value, int) and isinstance(ref, int):
-        return value == ref
-    try:
-        return abs(float(value) - float(ref)) <= 1e-3
-    except OverflowError:
-        return False

@@ -1,7 +1,7 @@
 """The lm-eval tasks gsm8k_code and gsm8k_code_embedded: prompts, scoring, and the real commands.
 
 Prompts are checked token for token against the training encoder (`encode_prompt`) for both kinds
-of tokenizer: a BPE with a SEP token (the embedded default) and a Hugging Face tokenizer without
+of tokenizer: a BPE with a SEP token (the local tokenizer, the default) and a Hugging Face tokenizer without
 one. End to end runs use the unmodified `lm_eval` command and `torchrun -m lm_eval` on micro
 checkpoints; GSM8K comes from a local copy of the real test split (../shared, tests only).
 """
@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from blockgen.harness.checkpoint import save_checkpoint
 from blockgen.harness.data import encode_prompt
 from blockgen.harness.tokenizer import special_tokens, train_bpe
 from blockgen.harness.wordproblems import generate, is_heldout
+from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.tasks import gsm8k_code
-from blockgen.tasks.gsm8k_code import OUTCOMES, ExecutePrograms, process_results
+from blockgen.tasks.gsm8k_code import OUTCOMES, ExecutePrograms, is_correct, parse_gsm8k_answer, process_results
+from blockgen.tasks.sandbox import Outcome, SandboxResult
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.json"
 BIN = Path(sys.executable).parent
@@ -75,7 +78,7 @@ def _bpe_without_sep():
 def _checkpoint(out: Path, tok, block_sizes=(1, 16), block_weights=(0.2, 0.8)) -> Path:
     torch.manual_seed(0)
     config = BlockGenConfig(vocab_size=len(tok), seq_len=128, prior="masked", block_sizes=block_sizes,
-                            block_weights=block_weights, n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0,
+                            block_weights=block_weights, shape=ModelShape(n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0),
                             special_tokens=special_tokens(tok).to_dict())
     return save_checkpoint(out, BlockGen(config).eval(), tok)
 
@@ -88,8 +91,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A micro mixture (block sizes 1 and 4) trained for 40 steps on embedded problems: the `ci` preset."""
-    from blockgen.harness.train import preset, train
+    """A micro mixture (block sizes 1 and 4) trained for 40 steps on generated word problems: the `ci` preset."""
+    from blockgen.harness.presets import preset
+    from blockgen.harness.train import train
 
     out = tmp_path_factory.mktemp("trained")
     base = preset("ci")
@@ -146,7 +150,7 @@ def test_prompt_mismatch_is_an_error(ckpts):
 
 def test_task_needs_the_checkpoint_and_the_data(ckpts, tmp_path):
     with pytest.raises(ValueError, match="pretrained=DIR"):
-        gsm8k_code.load_embedded()
+        gsm8k_code.load_embedded(embedded_problems=4)  # the YAML metadata gives the count
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "q", "response_ground_truth": "#### 1"}) + "\n")
     with pytest.raises(ValueError, match=r"lack field\(s\) \['answer', 'question'\]"):
@@ -219,13 +223,64 @@ def test_scoring_of_hand_written_programs():
     assert seen["exact_match_in_distribution"] == 0.0 and "exact_match_heldout" not in seen
 
 
+def test_parse_gsm8k_answer_on_every_record(gsm8k) -> None:
+    answers = [parse_gsm8k_answer(r["answer"]) for r in gsm8k]
+    assert all(isinstance(a, int) for a in answers)
+    raw = [r["answer"].rsplit("####", 1)[1].strip() for r in gsm8k]
+    assert answers == [int(a.replace(",", "")) for a in raw]
+    with_commas = [a for a, text in zip(answers, raw) if "," in text]
+    assert with_commas and all(a >= 1000 for a in with_commas)
+
+
+def test_parse_gsm8k_answer_formats() -> None:
+    assert parse_gsm8k_answer("so 3 + 4 = 7\n#### 1,000") == 1000
+    assert parse_gsm8k_answer("#### $1,450,000") == 1450000
+    assert parse_gsm8k_answer("#### -3") == -3
+    assert parse_gsm8k_answer("#### 2.5") == 2.5
+    assert parse_gsm8k_answer("42") == 42
+    assert parse_gsm8k_answer("#### none") is None
+
+
+def test_is_correct() -> None:
+    assert is_correct(18, "#### 18")
+    assert is_correct(18.0, "#### 18")
+    assert is_correct(17.9995, "#### 18")
+    assert not is_correct(18.002, "#### 18")
+    assert not is_correct(17, "#### 18")
+    assert is_correct(1000, "#### 1,000")
+    assert is_correct(2.5, 2.5004)
+    assert not is_correct(10**20 + 1, 10**20)  # integers compare exactly
+    assert not is_correct(None, "#### 18")
+    assert not is_correct(True, "#### 1")
+    assert not is_correct(float("nan"), "#### 18")
+    assert not is_correct(10**400, "#### 18")  # too large for a float, no exception
+    assert not is_correct(SandboxResult(Outcome.NOT_A_NUMBER, error="str"), "#### 18")
+    assert is_correct(SandboxResult(Outcome.OK, value=18), "#### 18")
+
+
+def test_scoring_accepts_reference_programs_and_rejects_others():
+    """The generator's own programs score right through the task's filter and scoring (with trailing text
+    after the program); a changed answer or a printed one does not."""
+    problems = generate("test", 12, seed=3)
+    docs = [{"question": p.question, "answer": f"#### {p.answer}"} for p in problems]
+
+    def score(completions: list[str]) -> tuple[float, Counter]:
+        records = ExecutePrograms(wall_timeout_s=2.0, cpu_time_s=2).apply([[c] for c in completions], docs)
+        correct = sum(process_results(d, [r])["exact_match"] for d, r in zip(docs, records))
+        return correct, Counter(json.loads(r)["outcome"] for r in records)
+
+    assert score([p.code + "\n<|eos|> trailing text" for p in problems]) == (12, {"ok": 12})
+    assert score([p.code.replace("return result", "return result + 1") for p in problems])[0] == 0
+    assert score([p.code.replace("return result", "print(result)") for p in problems])[0] == 0  # printing is not returning
+
+
 # ------------------------------------------------------------------------------ the real commands
 
 
 def _check_run(out: Path, task: str, n: int) -> dict:
     """What every run must report: metrics with stderr, outcome shares, the sampler's NFE and calls,
     truncation; samples that keep program, outcome and value, consistent with the metrics."""
-    from blockgen.tasks.sandbox import SandboxConfig, is_correct, run_program
+    from blockgen.tasks.sandbox import SandboxConfig, run_program
 
     results = _results(out)
     metrics = results["results"][task]
@@ -290,6 +345,23 @@ def test_few_shot_is_refused(ckpts):
     with pytest.raises(ValueError, match="zero-shot .* got --num_fewshot 2"):
         lm_eval.simple_evaluate(model="blockgen", model_args={"pretrained": pretrained}, tasks=["gsm8k_code_embedded"],
                                 task_manager=tasks, num_fewshot=2, device="cpu", limit=2)
+
+
+def test_embedded_task_takes_its_problem_count_from_the_yaml(ckpts):
+    """gsm8k_code_embedded.yaml's metadata is the one home of the default count (500; the dry run's
+    cost reads it too); --metadata overrides it."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from blockgen.harness.eval_cost import task_metadata
+    from blockgen.lm_eval import register, tasks_dir
+
+    register()
+    assert task_metadata("gsm8k_code_embedded")["embedded_problems"] == 500
+    for extra, expected in (({}, 500), ({"embedded_problems": 7}, 7)):
+        manager = TaskManager(include_path=str(tasks_dir()), include_defaults=False,
+                              metadata={"pretrained": str(ckpts["sep"]), **extra})
+        task = get_task_dict(["gsm8k_code_embedded"], manager)["gsm8k_code_embedded"]
+        assert len(list(task.test_docs())) == expected
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch
 
 from blockgen.harness.checkpoint import checkpoint_hash, load_checkpoint, save_checkpoint
 from blockgen.harness.tokenizer import special_tokens, train_bpe
+from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.tasks.blockgen_toy import training_text
 
@@ -57,8 +58,8 @@ def _train(out: Path, tok, block_sizes, block_weights, steps: int, seed: int) ->
     torch.manual_seed(seed)
     special = special_tokens(tok)
     config = BlockGenConfig(vocab_size=len(tok), seq_len=SEQ_LEN, prior="masked", block_sizes=block_sizes,
-                            block_weights=block_weights, n_layers=2, d_model=32, n_heads=4, cond_dim=16,
-                            dropout=0.0, special_tokens=special.to_dict())
+                            block_weights=block_weights, shape=ModelShape(n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0),
+                            special_tokens=special.to_dict())
     model = BlockGen(config)
     # Whole documents packed into rows that start at position 0, as the adapter scores them.
     rows, row = [], []
@@ -419,7 +420,7 @@ def test_lm_eval_command_runs_three_task_types(ckpts, single_process):
     assert info["blockgen"]["block_sizes"] == [1, 8] and info["blockgen"]["block_weights"] == [0.2, 0.8]
     assert info["blockgen"]["k_mc"] == 2 and info["blockgen"]["seed"] == 3
     assert info["blockgen"]["sampler"]["name"] == "ancestral" and info["blockgen"]["sampler"]["steps"] == 4
-    # what each task really ran with (README: "What the results JSON records")
+    # what each task really ran with (docs/lm_eval.md: "What the results JSON records")
     tasks = info["blockgen"]["tasks"]
     gen = tasks["blockgen_toy_gen"]["generate_until"]
     (row,) = gen["settings"]

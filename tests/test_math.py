@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from blockgen.models.attention import dense_mask, training_block_mask, training_layout
+from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, MaskedPrior, UniformPrior
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.objectives import BlockMixture, jensen_bound, lse_bound, noisy_forward, stratified_indices
@@ -139,7 +140,7 @@ def tiny_model(prior: str, sizes=(1, 4), weights=(0.5, 0.5), seed: int = 0) -> B
     torch.manual_seed(seed)
     cfg = BlockGenConfig(
         vocab_size=11, seq_len=16, prior=prior, block_sizes=sizes, block_weights=weights,
-        n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0,
+        shape=ModelShape(n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0),
     )
     model = BlockGen(cfg)
     for p in model.parameters():  # DiT zero-inits its output; random weights make outputs non-trivial

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from blockgen.harness.data import DataConfig
-from blockgen.harness.train import memory_estimate, names_the_knob, preset, train
+from blockgen.harness.presets import preset
+from blockgen.harness.train import memory_estimate, names_the_knob, train
 from blockgen.models import diffusion
+from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, UniformPrior
 from blockgen.models.model import BlockGen, BlockGenConfig
 
@@ -79,7 +81,7 @@ def test_chunked_nelbo_keeps_only_the_logits_for_backward():
 def test_validation_and_owt_ppl_bounds_do_not_depend_on_the_chunk(monkeypatch):
     """`nll_bounds` (validation, owt_ppl) goes through the same NELBO: a tiny chunk changes nothing."""
     cfg = BlockGenConfig(vocab_size=50, seq_len=16, prior="uniform", block_sizes=(1, 4), block_weights=(0.5, 0.5),
-                         n_layers=1, d_model=32, n_heads=2, cond_dim=16, dropout=0.0)
+                         shape=ModelShape(n_layers=1, d_model=32, n_heads=2, cond_dim=16, dropout=0.0))
     torch.manual_seed(0)
     model = BlockGen(cfg).eval()
     x = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(1))
@@ -96,8 +98,9 @@ def test_validation_and_owt_ppl_bounds_do_not_depend_on_the_chunk(monkeypatch):
 def test_activation_formula_matches_what_autograd_keeps(prior, dropout, architecture):
     """The estimate's activations (fp32, per micro-batch) against the saved tensors of a real forward."""
     block = 1 if architecture == "ar" else 4
-    cfg = BlockGenConfig(vocab_size=500, seq_len=128, prior=prior, block_sizes=(block,), n_layers=3, d_model=128,
-                         n_heads=4, cond_dim=32, dropout=dropout, architecture=architecture, adaln=architecture != "ar")
+    cfg = BlockGenConfig(vocab_size=500, seq_len=128, prior=prior, block_sizes=(block,),
+                         shape=ModelShape(n_layers=3, d_model=128, n_heads=4, cond_dim=32, dropout=dropout),
+                         architecture=architecture, adaln=architecture != "ar")
     torch.manual_seed(0)
     model = BlockGen(cfg).train()
     batch = 4

@@ -30,7 +30,8 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 def train_tiny(out_dir: Path, seed: int = 0, steps: int = 40) -> Path:
-    from blockgen.harness.train import preset, train
+    from blockgen.harness.presets import preset
+    from blockgen.harness.train import train
 
     config = preset("ci")
     return Path(train(replace(config, out_dir=str(out_dir), seed=seed, max_steps=steps,

@@ -131,7 +131,7 @@ def test_text_source_reads_local_files(tmp_path):
     assert set(whole[1]) == {d for d in held_out if d in docs[:30]}
 
 
-def test_embedded_tokenizer_is_trained_on_the_text_source(work):
+def test_local_tokenizer_is_trained_on_the_text_source(work):
     tok = get_tokenizer(DataConfig(source="text", vocab_size=512, cache_dir=str(work / "data")))
     assert len(tok) == 512 and any(p.name.startswith("tokenizer-text-") for p in (work / "data").iterdir())
     vocab = tok.get_vocab()

@@ -21,7 +21,8 @@ import torch
 from blockgen.harness import data as data_mod
 from blockgen.harness.checkpoint import TRAINING_STATE
 from blockgen.harness import prepare
-from blockgen.harness.data import DataConfig, chunk_documents, document_split, load_examples
+from blockgen.harness.data import DataConfig, chunk_documents, document_split
+from blockgen.harness.prepare import load_examples
 from blockgen.harness.tokenizer import special_tokens, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +200,7 @@ def test_resume_across_an_epoch_boundary_draws_the_same_batches_and_weights(tmp_
     """One permutation per epoch (drawn once, not per step); a run stopped after an epoch boundary and
     resumed draws the batches of an uninterrupted run and ends with identical weights."""
     from blockgen.harness import train as train_mod
+    from blockgen.harness.presets import preset
 
     draws, batches = [], {}
     real_randperm, real_slot_batches = torch.randperm, train_mod._slot_batches
@@ -211,7 +213,7 @@ def test_resume_across_an_epoch_boundary_draws_the_same_batches_and_weights(tmp_
 
     monkeypatch.setattr(train_mod, "_slot_batches", recording)
     data = DataConfig(n_train=96, n_val=16, vocab_size=512, cache_dir=str(tmp_path / "data"))
-    base = train_mod.preset("ci", data=data, max_steps=14, eval_every=10**9, save_every=1000, k_mc=1)
+    base = preset("ci", data=data, max_steps=14, eval_every=10**9, save_every=1000, k_mc=1)
     per_epoch = 96 // base.batch_size  # 6 steps
     current = "straight"
     train_mod._epoch_permutation.cache_clear()

@@ -15,6 +15,7 @@ import pytest
 
 from blockgen.harness import leaderboard as lb
 from blockgen.harness import regression as rg
+from blockgen.harness.cli import main as cli_main
 from blockgen.harness.leaderboard import Leaderboard, LeaderboardError, Row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def test_update_measures_the_spread_then_keeps_the_policy(tmp_path):
         lb.write(board(rerun(PPL, v), rerun(ACC, a)), tmp_path / f"run{i}.json")
         runs.append(tmp_path / f"run{i}.json")
     ref = tmp_path / "ci_regression.json"
-    assert rg.main(["update", *map(str, runs), "--to", str(ref), "--spread-note", "3 runs"]) == 0
+    assert cli_main(["regression", "update", *map(str, runs), "--to", str(ref), "--spread-note", "3 runs"]) == 0
     stored = lb.read(ref)
     policy = stored.provenance["tolerance"]
     assert policy["k"] == rg.DEFAULT_K and policy["z"] == rg.DEFAULT_Z and policy["spread_runs"] == 3
@@ -171,7 +172,7 @@ def test_update_measures_the_spread_then_keeps_the_policy(tmp_path):
     assert rg.check(runs[0], ref)[0]
     # one new leaderboard: the stored spread and factors are kept, the tolerance follows the new stderr
     lb.write(board(rerun(replace(PPL, stderr=1.0), 110.0), rerun(ACC, 0.5)), tmp_path / "new.json")
-    assert rg.main(["update", str(tmp_path / "new.json"), "--to", str(ref)]) == 0
+    assert cli_main(["regression", "update", str(tmp_path / "new.json"), "--to", str(ref)]) == 0
     again = lb.read(ref)
     assert again.provenance["tolerance"]["relative_spread"] == policy["relative_spread"]
     assert again.rows[0].value == 110.0 and again.rows[0].tolerance == pytest.approx(3 * 6 / (302 / 3) * 110.0)
@@ -180,8 +181,8 @@ def test_update_measures_the_spread_then_keeps_the_policy(tmp_path):
 def test_update_refuses_a_metric_without_measured_spread(tmp_path, capsys):
     lb.write(board(rerun(PPL, 1.0), rerun(ACC, 0.5)), tmp_path / "a.json")
     lb.write(board(rerun(PPL, 1.0)), tmp_path / "b.json")
-    assert rg.main(["update", str(tmp_path / "b.json"), str(tmp_path / "b.json"), "--to", str(tmp_path / "ref.json")]) == 0
-    assert rg.main(["update", str(tmp_path / "a.json"), "--to", str(tmp_path / "ref.json")]) == 2
+    assert cli_main(["regression", "update", str(tmp_path / "b.json"), str(tmp_path / "b.json"), "--to", str(tmp_path / "ref.json")]) == 0
+    assert cli_main(["regression", "update", str(tmp_path / "a.json"), "--to", str(tmp_path / "ref.json")]) == 2
     assert "no measured run-to-run spread for ['gsm8k_code_embedded/exact_match']" in capsys.readouterr().err
 
 

@@ -332,11 +332,12 @@ def test_training_can_start_from_a_release(tok64):
     from transformers import PreTrainedTokenizerFast
 
     from blockgen.harness.train import warm_start
+    from blockgen.models.backbone import ModelShape
     from blockgen.models.model import BlockGen
 
     folder = FIXTURES / "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"
     config = BlockGenConfig(vocab_size=64, seq_len=32, prior="masked", block_sizes=(1, 8), block_weights=(0.05, 0.95),
-                            n_layers=2, d_model=64, n_heads=4, cond_dim=16, dropout=0.0, cond_silu=True)
+                            shape=ModelShape(n_layers=2, d_model=64, n_heads=4, cond_dim=16, dropout=0.0), cond_silu=True)
     model = BlockGen(config).eval()
     warm_start(model, folder, PreTrainedTokenizerFast.from_pretrained(str(tok64)))
     ref = load_file(str(folder / "reference.safetensors"))

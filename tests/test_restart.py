@@ -121,11 +121,11 @@ def test_flops_formula_matches_torch_flop_counter():
     """training_flops_per_step against torch's FlopCounterMode on a real forward + backward (micro model)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from blockgen.harness.train import SIZES, training_flops_per_step
+    from blockgen.harness.train import training_flops_per_step
+    from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
-    from dataclasses import asdict
 
-    config = BlockGenConfig(vocab_size=300, seq_len=64, block_sizes=(1, 16), block_weights=(0.5, 0.5), **asdict(SIZES["micro"]))
+    config = BlockGenConfig(vocab_size=300, seq_len=64, block_sizes=(1, 16), block_weights=(0.5, 0.5), shape=SIZES["micro"])
     model = BlockGen(config)
     x = torch.randint(0, 300, (4, 64))
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -141,7 +141,7 @@ def test_flops_formula_matches_torch_flop_counter():
 
 
 def test_presets_are_the_papers_baselines():
-    from blockgen.harness.train import BENCHMARKS, PRESETS
+    from blockgen.harness.presets import BENCHMARKS, PRESETS
 
     for scale in ("", "-embedded"):
         owt, gsm = PRESETS[f"owt{scale}-masked-mix-flat"], PRESETS[f"tinygsm{scale}-uniform-mix"]

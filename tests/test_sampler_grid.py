@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import sampler_grid
+from blockgen.harness import cli
 from blockgen.harness.sampler_grid import GRID, pick
 from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
 
@@ -74,4 +74,4 @@ def test_makefile_and_demo_read_the_grid():
     assert "3:2:1" not in makefile and "62:4:56" not in makefile and "4:3:1" not in makefile
     for nfe, variants in DIFFUSION_VARIANTS.items():
         assert tuple(map(tuple, variants)) == tuple(tuple(pick(s, nfe)) for s in ("ancestral", "eipc", "arpc"))
-    assert sampler_grid.main(["arpc", "--nfe", "4", "8"]) == 0
+    assert cli.main(["variants", "arpc", "--nfe", "4", "8"]) == 0

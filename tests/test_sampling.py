@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import RowGenerators, UniformPrior, sample_categorical
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import (
@@ -33,7 +34,7 @@ def tiny_model(prior: str = "masked", causal: bool = True, sizes=(1, 4, 8), seed
     weights = tuple(1 / len(sizes) for _ in sizes)
     config = BlockGenConfig(
         vocab_size=V, seq_len=64, prior=prior, block_sizes=sizes, block_weights=weights, causal_clean=causal,
-        n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0,
+        shape=ModelShape(n_layers=2, d_model=32, n_heads=4, cond_dim=16, dropout=0.0),
     )
     torch.manual_seed(seed)
     model = BlockGen(config).eval()
@@ -559,18 +560,18 @@ def test_configs_checked_against_the_model(masked):
 
 def test_cli_samples_a_checkpoint(tmp_path, capsys):
     from blockgen.harness.checkpoint import save_checkpoint
-    from blockgen.harness.sample import main
+    from blockgen.harness.cli import main
     from blockgen.harness.tokenizer import special_tokens, train_bpe
 
     tok = train_bpe(["three apples and two pears make five fruits"] * 20, vocab_size=270)
     special = special_tokens(tok)
     config = BlockGenConfig(
-        vocab_size=len(tok), seq_len=64, block_sizes=(1, 8), block_weights=(0.5, 0.5), n_layers=1, d_model=32,
-        n_heads=4, cond_dim=16, dropout=0.0, special_tokens=special.to_dict(),
+        vocab_size=len(tok), seq_len=64, block_sizes=(1, 8), block_weights=(0.5, 0.5),
+        shape=ModelShape(n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0), special_tokens=special.to_dict(),
     )
     save_checkpoint(tmp_path / "ckpt", BlockGen(config), tokenizer=tok)
     out = tmp_path / "samples.jsonl"
-    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt", "three apples", "--prompt", "", "--num-samples", "2",
+    argv = ["sample", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "three apples", "--prompt", "", "--num-samples", "2",
             "--sampler", "arpc", "--steps", "3", "--ge", "3", "--max-new-tokens", "16", "--batch-size", "3", "--out", str(out)]
     assert main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -583,7 +584,7 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert [json.loads(line)["tokens"] for line in one.read_text().splitlines()] == [r["tokens"] for r in rows]
     assert main(argv[:-2] + ["--out", str(one), "--quiet", "--layout", "prompt_end"]) == 0
     assert all(json.loads(line)["sampler"]["layout"] == "prompt_end" for line in one.read_text().splitlines())
-    assert main(argv[:2] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
+    assert main(argv[:3] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
     assert "[1, 8]" in capsys.readouterr().err
 
 

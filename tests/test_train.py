@@ -1,4 +1,4 @@
-"""Training end to end on the embedded data: learning, resuming, checkpoints, torchrun, data sources."""
+"""Training end to end on the generated word problems: learning, resuming, checkpoints, torchrun, data sources."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from blockgen.harness.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
-from blockgen.harness.data import DataConfig, get_tokenizer, load_examples
+from blockgen.harness.data import DataConfig, get_tokenizer
+from blockgen.harness.prepare import load_examples
 from blockgen.harness.tokenizer import special_tokens
-from blockgen.harness.train import preset, train, warm_start
+from blockgen.harness.presets import preset
+from blockgen.harness.train import train, warm_start
 from blockgen.models.model import BlockGen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,7 +158,7 @@ def test_local_files_with_hub_schema(tmp_path):
 
 def test_unreachable_hub_fails_loudly(tmp_path):
     code = (
-        "from blockgen.harness.data import DataConfig, load_examples\n"
+        "from blockgen.harness.data import DataConfig\nfrom blockgen.harness.prepare import load_examples\n"
         "from blockgen.harness.tokenizer import load_tokenizer, train_bpe\n"
         "tok = train_bpe(['some text'] * 10, 300)\n"
         "for call in (lambda: load_tokenizer('gpt2'), lambda: load_examples(DataConfig(source='owt'), tok, 1024)):\n"
@@ -177,20 +179,6 @@ def test_bad_configs_name_the_choices():
         DataConfig(source="wikipedia")
     with pytest.raises(ValueError, match="choose one of"):
         preset("ci", size="huge")
-
-
-def test_scoring_accepts_reference_programs_and_rejects_others():
-    from blockgen.harness.wordproblem_eval import Problem, score_completions
-    from blockgen.harness.wordproblems import generate
-
-    problems = generate("test", 12, seed=3)
-    targets = [Problem(p.question, p.answer) for p in problems]
-    correct, outcomes = score_completions([p.code + "\n<|eos|> trailing text" for p in problems], targets)
-    assert correct == 12 and outcomes == {"ok": 12}
-    wrong = [p.code.replace("return result", "return result + 1") for p in problems]
-    assert score_completions(wrong, targets)[0] == 0
-    printed = [p.code.replace("return result", "print(result)") for p in problems]
-    assert score_completions(printed, targets)[0] == 0  # printing the answer is not returning it
 
 
 def test_demo_command_end_to_end(tmp_path):

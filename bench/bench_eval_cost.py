@@ -1,0 +1,246 @@
+"""What the offline evaluation grids' cost model needs, measured in one run: seconds per batched call.
+
+    .venv/bin/python bench/bench_eval_cost.py                     # every offline grid's presets, fp32 and bf16
+    .venv/bin/python bench/bench_eval_cost.py --grids demo --repeats 1
+    .venv/bin/python bench/bench_eval_cost.py --write-table       # also print `eval_cost.CPU_RATES` to paste
+
+For every (preset, batch size) of the offline grids (`harness/grids.py`: owt-embedded, gsm8k-embedded,
+demo, ci-gsm8k) a model of the preset's shape with RANDOM weights (cost does not depend on the
+weights) is timed, as `blockgen sweep` calls it:
+- a likelihood pass: `score_windows` on a batch of full-length windows at the grid's K_MC, divided by
+  the passes it makes (`eval_cost.likelihood_passes`);
+- a sampler call: `generate` with the preset's sampler family (ARPC 3:2:1 for mixtures with block
+  size 1, ancestral 4 otherwise), EOS disabled so every row generates the grid's budget, divided by
+  the model calls it reports; and an AR decoding call (`ar_greedy`) where the preset has block size 1;
+- for OWT grids, one sample through owt_genppl's scoring with the offline scorer (`--scorer`,
+  transformers backend, loaded once as in a sweep): Gen PPL, MAUVE features of it and its reference,
+  MAUVE over the samples.
+Each in float32 (the default) and under bfloat16 autocast (`dtype=bfloat16`), side by side, best of
+`--repeats`; the ratio column is fp32 time / bf16 time. The load average is printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from blockgen.harness import eval_cost
+from blockgen.harness.grids import GRIDS
+from blockgen.harness.lm_eval_adapter import Window, score_windows
+from blockgen.harness.precision import compute_precision
+from blockgen.harness.presets import preset
+from blockgen.models.model import BlockGen
+from blockgen.models.sampling import SamplerConfig, generate
+
+SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
+OFFLINE_GRIDS = tuple(name for name, g in GRIDS.items() if g.offline)
+
+
+def load() -> str:
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
+def cases(grids: list[str]) -> dict[tuple[str, int], dict]:
+    """(preset, batch) -> what the grids ask of it: K_MC, task, generation budget. The batch is the
+    grid's, and for generation the rows a call really gets (`eval_cost.generation_batch`)."""
+    out: dict[tuple[str, int], dict] = {}
+    for name in grids:
+        g = GRIDS[name]
+        cap = dict(g.model_args).get("max_gen_toks")
+        for model in g.models:
+            preset_name = model if g.demo else g.run_name(model)
+            budget = eval_cost.new_tokens(g.generation_task, preset(preset_name).seq_len, cap)
+            gen_batch = eval_cost.generation_batch(g.generation_task, g.batch_size, cap)
+            for batch in {gen_batch} | ({g.batch_size} if g.likelihood_task else set()):
+                out.setdefault((preset_name, batch), dict(k_mc=g.k_mc, task=g.generation_task, budget=budget))
+    return out
+
+
+def random_model(name: str) -> BlockGen:
+    config = preset(name)
+    torch.manual_seed(0)
+    model = BlockGen(config.model_config(config.data.vocab_size, SPECIAL, "cpu")).eval()
+    with torch.no_grad():  # non-trivial activations (the final layer is zero-initialised)
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+def best(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out
+
+
+def measure(name: str, batch: int, want: dict, dtype: str, repeats: int) -> dict[str, float | None]:
+    model = random_model(name)
+    cfg = model.config
+    sizes = tuple(cfg.block_sizes)
+    gen = torch.Generator().manual_seed(1)
+    vocab = cfg.vocab_size
+    windows = [Window(tuple(torch.randint(4, vocab, (cfg.seq_len,), generator=gen).tolist()), 0) for _ in range(batch)]
+    prompt_len = 1 if "genppl" in want["task"] else max(1, min(32, cfg.seq_len - want["budget"]))  # BOS / a question
+    prompts = [[0, *torch.randint(4, vocab, (prompt_len - 1,), generator=gen).tolist()] for _ in range(batch)]
+    seeds = list(range(batch))
+
+    def lik():
+        with compute_precision("cpu", dtype):
+            score_windows(model, windows, seeds, want["k_mc"], SPECIAL["pad"])
+
+    def run(sampler: SamplerConfig):
+        def go():
+            with compute_precision("cpu", dtype):
+                return generate(model, prompts, sampler, -1, SPECIAL["pad"], seeds=seeds)
+        return go
+
+    with torch.no_grad():
+        seconds, _ = best(lik, repeats)
+        out: dict[str, float | None] = {"pass_s": seconds / eval_cost.likelihood_passes(sizes, want["k_mc"]),
+                                        "call_s": None, "ar_call_s": None}
+        new = min(want["budget"], cfg.seq_len - prompt_len)
+        if sizes != (1,):
+            family = SamplerConfig("arpc", steps=3, ge=2, warmup=1) if 1 in sizes else SamplerConfig("ancestral", steps=4)
+            seconds, result = best(run(replace(family, max_new_tokens=new)), repeats)
+            out["call_s"] = seconds / result.model_calls
+        if 1 in sizes:
+            seconds, result = best(run(SamplerConfig("ar_greedy", max_new_tokens=new)), repeats)
+            out["ar_call_s"] = seconds / result.model_calls
+    return out
+
+
+def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
+    """Seconds per sample of what owt_genppl does after generating, as in a sweep (the scorer loaded
+    once, outside the timing): Gen PPL score and MAUVE features of the sample and its reference
+    (`owt.score_samples`), then MAUVE over the n samples (`owt.mauve_score`)."""
+    from blockgen.harness.scorers import ScorerConfig, shared_scorers
+    from blockgen.tasks.blockgen_toy import training_text
+    from blockgen.tasks.owt import genppl_results, mauve_score, score_samples
+
+    config = ScorerConfig(model=scorer_dir, device="cpu")
+    text = " ".join(training_text(80))
+    texts = [text[i * 11: i * 11 + 600] for i in range(2 * n)]  # 600 characters: the embedded task's references
+    samples, references = texts[:n], texts[n:]
+
+    def go():
+        records = score_samples(samples, references, config)
+        mauve_score([genppl_results({}, [r])["mauve"] for r in records])
+
+    with shared_scorers():
+        score_samples(samples[:2], references[:2], config)  # loads the sweep's shared copy
+        seconds, _ = best(go, repeats)
+    return seconds / n
+
+
+def sandbox_program_s(n: int, repeats: int) -> float:
+    """Seconds per gsm8k_code program in the sandbox, n programs run as the task runs them (in parallel)."""
+    from bench_sandbox import PROGRAMS  # bench/ is this script's folder
+
+    from blockgen.tasks.sandbox import run_many
+
+    programs = [PROGRAMS[i % len(PROGRAMS)][0] for i in range(n)]
+    seconds, _ = best(lambda: run_many(programs), repeats)
+    return seconds / n
+
+
+# One real setting per offline task: (grid, model, setting label) on the trained checkpoints of --runs.
+OVERHEAD_SETTINGS = {"owt_ppl_embedded": ("owt-embedded", "masked-mix", "likelihood"),
+                     "owt_genppl_embedded": ("owt-embedded", "masked-mix", "arpc-6-3-0-T1.0"),
+                     "gsm8k_code_embedded": ("gsm8k-embedded", "masked-mix", "arpc-3-2-1-T0.1")}
+
+
+def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict[str, float]:
+    """Per task: a real sweep setting's wall seconds (`sweep._evaluate`, the model and scorer already
+    loaded, best of repeats) minus the work `sweep.estimate` prices from the rates just measured."""
+    import tempfile
+
+    from blockgen.harness import sweep
+
+    out: dict[str, float] = {}
+    metadata = {"scorer_model": scorer}
+    with tempfile.TemporaryDirectory() as tmp:
+        for task, (grid_name, model, label) in OVERHEAD_SETTINGS.items():
+            g = replace(GRIDS[grid_name], limit=limit)
+            found = [s for s in sweep.settings(g, runs) if s.run == g.run_name(model) and s.label == label]
+            if not found or not (Path(found[0].checkpoint) / "config.json").is_file():
+                print(f"overhead of {task}: no checkpoint {g.run_name(model)} under {runs}; skipped")
+                continue
+            s = found[0]
+            lm, rng = sweep._load_model(s, g, "cpu")
+            pool = sweep._Scorers(metadata, "cpu")
+            try:
+                wall, _ = best(lambda: sweep._evaluate(s, g, lm, rng, pool, Path(tmp) / task, "cpu"), repeats)
+            finally:
+                pool.close()
+            priced, _ = sweep.estimate(g, s, model, metadata)
+            out[task] = max(0.0, wall - priced)
+            print(f"overhead of {task}: setting {s.run} {s.label} at limit {limit}: {wall:.2f} s wall, "
+                  f"{priced:.2f} s priced work -> {out[task]:.2f} s per setting")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--grids", nargs="+", default=list(OFFLINE_GRIDS), choices=list(OFFLINE_GRIDS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
+    parser.add_argument("--scorer", default="runs/ci-pipeline/scorer-text", help="offline Gen PPL scorer directory")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--write-table", action="store_true", help="print eval_cost.CPU_RATES (float32) to paste")
+    parser.add_argument("--runs", default="runs/issue20-ci", help="trained offline checkpoints for the per-setting overhead")
+    parser.add_argument("--overhead-limit", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{args.threads} torch thread(s), {os.cpu_count()} cores, torch {torch.__version__}; {load()}")
+    scorer = None
+    if any(GRIDS[g].benchmark == "owt" for g in args.grids) and (Path(args.scorer) / "config.json").is_file():
+        scorer = scorer_sample_s(args.scorer, 16, args.repeats)
+        print(f"scorer {args.scorer}: {scorer * 1e3:.1f} ms per sample (Gen PPL + MAUVE features and MAUVE, transformers, float32)")
+    rates: dict[tuple[str, int], dict] = {}
+    print(f"\n{'preset':<28} {'batch':>5} {'dtype':>8} {'pass ms':>9} {'call ms':>9} {'AR call ms':>10}")
+    for (name, batch), want in cases(args.grids).items():
+        results = {}
+        for dtype in args.dtypes:
+            r = results[dtype] = measure(name, batch, want, dtype, args.repeats)
+            fmt = (lambda x: "-" if x is None else f"{x * 1e3:.2f}")
+            print(f"{name:<28} {batch:>5} {dtype:>8} {fmt(r['pass_s']):>9} {fmt(r['call_s']):>9} {fmt(r['ar_call_s']):>10}", flush=True)
+        if len(args.dtypes) == 2:
+            a, b = (results[d] for d in args.dtypes)
+            ratio = {k: f"{a[k] / b[k]:.2f}" for k in a if a[k] and b[k]}
+            print(f"{'':<28} {'':>5} {'ratio':>8} {ratio.get('pass_s', '-'):>9} {ratio.get('call_s', '-'):>9} {ratio.get('ar_call_s', '-'):>10}")
+        rates[name, batch] = results.get("float32", next(iter(results.values())))
+    print(f"\n{load()}")
+    sandbox = sandbox_program_s(32, args.repeats)
+    print(f"sandbox: {sandbox * 1e3:.1f} ms per gsm8k_code program (32 programs, {os.cpu_count()} workers)")
+    # the per-setting overhead is what a real setting takes beyond the work priced from these rates
+    eval_cost.CPU_RATES.clear()
+    eval_cost.CPU_RATES.update({key: eval_cost.CpuRate(key[1], r["pass_s"], r["call_s"], r["ar_call_s"],
+                                                       scorer if key[0].startswith("owt") else None)
+                                for key, r in rates.items()})
+    eval_cost.CPU_SANDBOX_PROGRAM_S = sandbox
+    eval_cost.CPU_SETTING_OVERHEAD_S.clear()
+    overhead = setting_overhead_s(args.runs, args.scorer, args.overhead_limit, args.repeats)
+    print(f"\n{load()}")
+    if args.write_table:
+        today = datetime.date.today().isoformat()
+        print(f'\nCPU_RATES_MEASURED = "{today}, {args.threads} torch thread(s) on {os.cpu_count()} cores, {load()}"')
+        print("CPU_RATES: dict[tuple[str, int], CpuRate] = {")
+        for (name, batch), r in rates.items():
+            sc = scorer if name.startswith("owt") else None
+            vals = ", ".join("None" if r[k] is None else f"{r[k]:.5f}" for k in ("pass_s", "call_s", "ar_call_s"))
+            print(f"    ({name!r}, {batch}): CpuRate({batch}, {vals}, {'None' if sc is None else f'{sc:.5f}'}),")
+        print("}")
+        print(f"CPU_SETTING_OVERHEAD_S: dict[str, float] = {{{', '.join(f'{t!r}: {v:.2f}' for t, v in overhead.items())}}}")
+        print(f"CPU_SANDBOX_PROGRAM_S: float | None = {sandbox:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""What an evaluation setting costs: its work counted, then priced (`blockgen sweep GRID --dry-run`).
+
+Work (`Work`): rows (scored sequences, generated samples or problems) in batches of the grid's batch
+size, times the batched model calls each batch makes: likelihood passes (one per block size 1, K_MC
+per other block size: `likelihood_passes`), sampler calls over all blocks of a sample
+(`calls_per_block` x blocks, ARPC's AR passes included), or one call per token for AR decoding;
+plus the samples a Gen PPL scorer reads.
+
+Two prices, never mixed in one total:
+- offline grids (CPU): **measured** seconds per batched call of each kind (`CPU_RATES`), per preset at
+  the grid's batch size, from `bench/bench_eval_cost.py` (which prints the table below);
+- full-scale grids (GPU): **derived** H200 seconds, `released.plan_cost`: the reference bf16 H200
+  training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x 1,024), a forward = 1/3 of a step,
+  scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["likelihood", "diffusion", "ar"]
+
+
+def likelihood_passes(block_sizes: tuple[int, ...], k_mc: int) -> int:
+    """Forward passes per scored sequence for the log-sum-exp bound: block size 1 is exact (one
+    pass), every other block size averages K_MC draws (mix-flat over 1-16 at K_MC 8: 33)."""
+    return sum(1 if size == 1 else k_mc for size in block_sizes)
+
+
+@dataclass(frozen=True)
+class Work:
+    kind: Kind
+    rows: int  # sequences scored, samples generated, or problems answered
+    batch: int  # rows per model call
+    calls: int  # batched model calls per batch of rows (passes, sampler calls over all blocks, or tokens)
+    scored: int = 0  # samples a generative-perplexity scorer reads
+
+    @property
+    def batched_calls(self) -> int:
+        return math.ceil(self.rows / self.batch) * self.calls
+
+    def describe(self) -> str:
+        what = {"likelihood": "passes", "diffusion": "sampler calls", "ar": "AR calls (one per token)"}[self.kind]
+        text = f"{self.rows} rows / {self.batch} per call x {self.calls} {what} = {self.batched_calls} batched calls"
+        return text + (f"; {self.scored} samples scored" if self.scored else "")
+
+
+def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:
+    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows (no early stop)."""
+    from blockgen.models.sampling import SamplerConfig, calls_per_block
+
+    if sampler.startswith("ar_"):
+        return "ar", new_tokens
+    config = SamplerConfig(name=sampler, steps=steps, ge=ge, warmup=warmup, block_size=block)
+    return "diffusion", calls_per_block(config, block) * math.ceil(new_tokens / block)
+
+
+# ------------------------------------------------------------------------------ measured CPU rates
+
+
+@dataclass(frozen=True)
+class CpuRate:
+    """Seconds per batched model call at `batch` rows, measured (random weights of the preset's shape)."""
+
+    batch: int
+    pass_s: float  # one likelihood pass over `batch` full-length windows
+    call_s: float | None  # one diffusion sampler call (the preset's own family: ARPC for mixtures with block size 1)
+    ar_call_s: float | None  # one AR decoding call (one token per row), where the preset has block size 1
+    scorer_sample_s: float | None = None  # owt_genppl's scoring per sample: Gen PPL, MAUVE features (sample and reference), MAUVE
+
+
+# Measured by `bench/bench_eval_cost.py --write-table` on this project's 2-core CPU machine (torch threads
+# and load average in CPU_RATES_MEASURED); (preset, batch) -> rate. Regenerate after a model change.
+# CPU_SETTING_OVERHEAD_S: per task, what one setting costs besides its model calls (lm-eval building the
+# task and its documents, the sweep's logging, for gsm8k the sandbox start), from a real sweep setting
+# at a small limit minus its priced work; CPU_SANDBOX_PROGRAM_S: one gsm8k_code program run in the
+# sandbox, programs in parallel on the machine's cores.
+CPU_RATES_MEASURED = "2026-11-27, 2 torch thread(s) on 2 cores, load average 1.72 0.62 0.23"
+CPU_RATES: dict[tuple[str, int], CpuRate] = {
+    ('owt-embedded-ar', 8): CpuRate(8, 0.01426, None, 0.00075, 0.05925),
+    ('owt-embedded-masked-mix', 8): CpuRate(8, 0.02606, 0.00252, 0.00089, 0.05925),
+    ('owt-embedded-uniform-mix', 8): CpuRate(8, 0.01926, 0.00239, 0.00086, 0.05925),
+    ('tinygsm-embedded-ar', 1): CpuRate(1, 0.00152, None, 0.00038, None),
+    ('tinygsm-embedded-masked-16', 1): CpuRate(1, 0.00241, 0.00081, None, None),
+    ('tinygsm-embedded-masked-mix', 1): CpuRate(1, 0.00239, 0.00083, 0.00056, None),
+    ('gsm-ar', 16): CpuRate(16, 0.16083, None, 0.00451, None),
+    ('gsm-masked-mix', 16): CpuRate(16, 0.16063, 0.01582, 0.00436, None),
+    ('gsm-uniform-mix', 16): CpuRate(16, 0.16262, 0.01534, 0.00424, None),
+    ('gsm-masked-mix', 32): CpuRate(32, 0.33653, 0.02844, 0.00683, None),
+}
+CPU_SETTING_OVERHEAD_S: dict[str, float] = {'owt_ppl_embedded': 0.39, 'owt_genppl_embedded': 0.00, 'gsm8k_code_embedded': 0.52}
+CPU_SANDBOX_PROGRAM_S: float | None = 0.0117
+
+
+def cpu_rate(preset: str, batch: int) -> tuple[CpuRate | None, str]:
+    """The measured rate of a preset at a batch size, else the nearest measured batch scaled per row
+    (calls cost roughly rows x tokens at these sizes: an estimate, said in the note)."""
+    if (preset, batch) in CPU_RATES:
+        return CPU_RATES[preset, batch], ""
+    measured = [b for (p, b) in CPU_RATES if p == preset]
+    if not measured:
+        return None, f"no measured rate for {preset}"
+    near = min(measured, key=lambda b: abs(b - batch))
+    r, scale = CPU_RATES[preset, near], batch / near
+    mul = (lambda x: None if x is None else x * scale)
+    return CpuRate(batch, r.pass_s * scale, mul(r.call_s), mul(r.ar_call_s), r.scorer_sample_s), f"rate scaled from batch {near}"
+
+
+def cpu_seconds(work: Work, rate: CpuRate, task: str = "") -> float | None:
+    """Model calls x the measured seconds per call, plus the Gen PPL scorer per sample, the sandbox per
+    gsm8k_code problem and the task's measured per-setting overhead."""
+    per_call = {"likelihood": rate.pass_s, "diffusion": rate.call_s, "ar": rate.ar_call_s}[work.kind]
+    if per_call is None:
+        return None
+    scorer = work.scored * (rate.scorer_sample_s or 0.0)
+    sandbox = work.rows * (CPU_SANDBOX_PROGRAM_S or 0.0) if task.startswith("gsm8k_code") else 0.0
+    return work.batched_calls * per_call + scorer + sandbox + CPU_SETTING_OVERHEAD_S.get(task, 0.0)
+
+
+# ------------------------------------------------------------------------------ the offline tasks' rows
+
+
+def task_metadata(task: str) -> dict:
+    """A task YAML's metadata (lm-eval's `!function` tags read as nothing: only plain keys matter here)."""
+    import yaml
+
+    from blockgen.lm_eval import tasks_dir
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    path = Path(tasks_dir()) / f"{task}.yaml"
+    return (yaml.load(path.read_text(), Loader=Loader) or {}).get("metadata", {}) if path.is_file() else {}
+
+
+def offline_rows(task: str, limit: int | None, metadata: dict) -> int | None:
+    """Rows of an offline task: the limit, else its documents (None: only known from the data)."""
+    if limit is not None:
+        return limit
+    if task.startswith("gsm8k_code"):
+        return int(metadata.get("embedded_problems", task_metadata(task)["embedded_problems"]))
+    if "genppl" in task:
+        return int(metadata.get("num_samples", task_metadata(task).get("num_samples", 0))) or None
+    return None  # owt_ppl*: the held-out chunks of the prepared data
+
+
+def new_tokens(task: str, seq_len: int, max_gen_toks: int | None) -> int:
+    """Tokens a sample may generate: owt_genppl fills the model (BOS prompt); gsm8k_code the room its
+    prompt leaves (the prompt taken as a quarter of the length), or the grid's max_gen_toks. An upper
+    bound: the sampler stops a batch once every row has stopped."""
+    if max_gen_toks is not None:
+        return max_gen_toks
+    return seq_len - 1 if "genppl" in task else seq_len - seq_len // 4
+
+
+def generation_batch(task: str, batch: int, max_gen_toks: int | None) -> int:
+    """Rows per generation call. gsm8k_code without a max_gen_toks gives every row its own budget (the
+    room its prompt leaves) and the adapter batches only rows with equal sampler settings, budget
+    included: about one row per call (the gsm8k-embedded sweep of 2026-11-26 ran 16 problems in 13
+    calls of generate); a cap (the demo's 80) gives most rows the same budget."""
+    return 1 if task.startswith("gsm8k_code") and max_gen_toks is None else batch
+
+
+CPU_ASSUMPTIONS = ("CPU-seconds = batched calls x seconds per call MEASURED by bench/bench_eval_cost.py "
+                   "(random weights of each preset's shape at the grid's batch size; {measured}) + the sandbox per gsm8k "
+                   "problem + a per-setting overhead per task measured on a real setting (lm-eval task building, "
+                   "logging); rows = --limit, "
+                   "else the task's documents; generation budget: owt fills the model, gsm8k 3/4 of its length "
+                   "(one row per call: per-row budgets split batches) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
+                   "(score, MAUVE features and MAUVE); model loads not counted")
+FULL_SCALE_ASSUMPTIONS = ("H200-hours DERIVED, not measured (released.plan_cost): a forward = 1/3 of the reference "
+                          "bf16 H200 training step (0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024), "
+                          "scaled by tokens; assumes bf16 matmuls (dtype=bfloat16; float32 without TF32 runs several "
+                          "times slower); generation FLOP-proportional, a lower bound (cached calls of a 16-32-token "
+                          "block are latency-bound: multiply the batched calls by a per-call latency, 12-14 ms measured on an H100 at "
+                          "paper size, docs/results.md); "
+                          "uniform prior's float64 NELBO not counted; owt_ppl: the whole held-out split as the paper "
+                          "(last 100k documents, ~110,000 chunks of 1,024), gsm8k: 1,319 problems x 256 tokens")

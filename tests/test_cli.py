@@ -1,0 +1,124 @@
+"""One command line: every subcommand is reachable as `blockgen ...` from harness/cli.py, and no other
+module of the package is a program of its own.
+
+The tree of subcommands is read from the parser itself, so a subcommand added anywhere is checked."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from blockgen.harness import cli
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCKGEN = Path(sys.executable).parent / "blockgen"
+# Programs that are not command lines of this project: the sandbox's pid 1 (its text runs in the
+# sandbox) and `python -m blockgen.lm_eval`, lm-eval's own command with the model registered.
+OTHER_PROGRAMS = {REPO / "tasks" / "sandbox_child.py", REPO / "blockgen" / "lm_eval" / "__main__.py"}
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every subcommand path of the parser: ("leaderboard",), ("leaderboard", "add"), ..."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += [(*path, name), *commands(sub, (*path, name))]
+    return out
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_every_subcommand_answers_help():
+    paths = commands(cli.build_parser())
+    expected = {("train",), ("demo",), ("presets",), ("gpu-check",), ("train-scorer",), ("sample",), ("prepare-data",),
+                ("hub-check",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
+                ("sweep",), ("outcomes", "check"), ("outcomes", "update"), ("regression", "check"), ("regression", "update"),
+                ("scorers", "check-vllm"), ("variants",)}
+    expected |= {("leaderboard", action) for action in ("add", "show", "plot", "page", "compare", "check")}
+    assert expected <= set(paths), sorted(expected - set(paths))
+    for path in paths:
+        code, out, _ = run([*path, "--help"])
+        assert code == 0 and out.startswith(f"usage: blockgen {' '.join(path)}"), (path, out[:200])
+
+
+def test_no_option_overwrites_the_subcommand_it_belongs_to():
+    """argparse writes every option into one namespace: an option whose dest is the top-level
+    subcommand's (`regression update --command`, once) would send the run to no subcommand."""
+    top = cli.build_parser()
+    dest = next(a.dest for a in top._actions if isinstance(a, argparse._SubParsersAction))
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    clashing = [(p.prog, a.option_strings) for p in parsers(top) if p is not top
+                for a in p._actions if a.dest == dest]
+    assert not clashing
+    args = top.parse_args(["regression", "update", "a.json", "--command", "make x"])
+    assert getattr(args, dest) == "regression" and args.command == "make x"
+
+
+def test_no_module_is_a_program_of_its_own():
+    """Only harness/cli.py builds an argument parser or runs as __main__ (torchrun -m blockgen.harness.cli)."""
+    found = []
+    for folder in ("harness", "models", "tasks", "blockgen"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == REPO / "harness" / "cli.py" or path in OTHER_PROGRAMS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "__name__" \
+                        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.comparators):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: if __name__ == '__main__'")
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "ArgumentParser":
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: ArgumentParser(...)")
+    assert found == [], "\n".join(found)
+
+
+def test_mounted_subcommands_run_their_modules(tmp_path):
+    code, out, _ = run(["variants", "arpc", "--nfe", "4", "8"])
+    assert code == 0 and out == "3:2:1 6:3:0\n"
+    code, _, err = run(["variants", "arpc", "--nfe", "5"])
+    assert code == 2 and "no arpc variant at NFE 5" in err
+    code, out, _ = run(["released", "names"])
+    assert code == 0 and "tinygsm-ar=baselines/tinygsm/ar" in out.split()
+    code, _, err = run(["import", "a", "b", "--out-dir", str(tmp_path)])
+    assert code == 2 and "--out-dir takes one spec" in err
+    code, out, _ = run(["sweep", "gsm8k-embedded", "--dry-run"])
+    assert code == 0 and out.startswith("# blockgen sweep:") and "total:" in out
+    code, _, err = run(["outcomes", "check", "--store", str(tmp_path / "none"), "--results", str(tmp_path)])
+    assert code == 2 and err.startswith("blockgen outcomes: error:")
+
+
+def test_regression_check_is_leaderboard_check():
+    """The older name stays; both run the same check on the stored reference against itself."""
+    reference = REPO / "leaderboards" / "ci_regression.json"
+    new = run(["regression", "check", str(reference), "--against", str(reference)])
+    old = run(["leaderboard", "check", str(reference), "--against", str(reference)])
+    assert new == old and new[0] == 0 and "passed" in new[1]
+
+
+def test_installed_command_and_torchrun_module_are_the_same_program():
+    """`blockgen` (the console script) and `python -m blockgen.harness.cli` (what torchrun launches)."""
+    script = subprocess.run([str(BLOCKGEN), "variants", "eipc", "--nfe", "4"], capture_output=True, text=True, timeout=120)
+    module = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "variants", "eipc", "--nfe", "4"],
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == module.returncode == 0 and script.stdout == module.stdout == "4:2:0\n"

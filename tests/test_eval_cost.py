@@ -1,0 +1,233 @@
+"""Evaluation precision and cost: the adapter's `dtype` / `tf32` model arguments (harness/precision.py)
+and `blockgen sweep --dry-run`'s cost lines (harness/eval_cost.py, harness/sweep.py).
+
+- `dtype` takes lm-eval's names and refuses others naming the choices; the default (float32) gives
+  bit for bit what the model gives with no precision context at all (the code before the option),
+  keeps its fingerprint, and `auto` is the same; bfloat16 (autocast) moves a micro model's bounds by
+  little but does move them, while the logits, and so the bounds, stay float32/float64.
+- TF32 flags are set only inside the adapter's model calls and restored after.
+- The dry run prices each setting (CPU-seconds from the measured rates offline, derived H200-hours at
+  full scale), names its assumptions, and its per-model subtotals and total are the lines' sums; the
+  counted work follows the samplers' calls and the bound's passes.
+- The `owt` grid scores the whole held-out split (the paper's validation set): no limit.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockgen.harness import cli, eval_cost, sweep
+from blockgen.harness.grids import GRIDS
+from blockgen.harness.precision import compute_precision
+
+SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A micro mixture {1, 8} with random weights and a small BPE (numbers, not quality)."""
+    from blockgen.harness.checkpoint import save_checkpoint
+    from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.models.backbone import SIZES
+    from blockgen.models.model import BlockGen, BlockGenConfig
+    from blockgen.tasks.blockgen_toy import training_text
+
+    tok = train_bpe(training_text(300), vocab_size=300)
+    config = BlockGenConfig(vocab_size=len(tok), seq_len=64, prior="masked", block_sizes=(1, 8), block_weights=(0.2, 0.8),
+                            special_tokens=special_tokens(tok).to_dict(), shape=SIZES["micro"])
+    torch.manual_seed(0)
+    model = BlockGen(config).eval()
+    with torch.no_grad():  # non-trivial outputs (the final layer is zero-initialised)
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return save_checkpoint(tmp_path_factory.mktemp("precision") / "ckpt", model, tok)
+
+
+def _lm(path: Path, **kwargs):
+    from lm_eval.api.registry import get_model
+
+    import blockgen.harness.lm_eval_adapter  # noqa: F401  registers the model type
+
+    return get_model("blockgen")(pretrained=str(path), device="cpu", batch_size=4, seed=3, **kwargs)
+
+
+def _requests(kind: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+LL = [("the cat sat", " on the mat"), ("one plus two is", " three"), ("", "a whole sentence to score here")]
+GEN = [("the cat", {"until": [], "max_gen_toks": 16}), ("one plus", {"until": [], "max_gen_toks": 16})]
+
+
+def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
+    from lm_eval.api.registry import get_model
+
+    from blockgen.harness.lm_eval_adapter import BlockGenLMArgs  # also registers the model type
+
+    assert BlockGenLMArgs.parse({"pretrained": "x"}).dtype == "float32"
+    assert BlockGenLMArgs.parse({"pretrained": "x", "dtype": torch.bfloat16}).dtype == "bfloat16"
+    cls = get_model("blockgen")
+    for extra, message in {"dtype=float16": "dtype='float16'; choose one of ['auto', 'bfloat16', 'float32']",
+                           "dtype=bf16": "choose one of ['auto', 'bfloat16', 'float32']",
+                           "tf32=yes": "tf32='yes'; must be true or false"}.items():
+        with pytest.raises(ValueError) as err:  # lm-eval's own argument parsing, as on the command line
+            cls.create_from_arg_string(f"pretrained={ckpt},{extra}", {"device": "cpu"})
+        assert message in str(err.value), (extra, str(err.value))
+    lm = cls.create_from_arg_string(f"pretrained={ckpt},dtype=bfloat16,tf32=True", {"device": "cpu"})
+    assert (lm.args.dtype, lm.args.tf32) == ("bfloat16", True)
+    assert lm.get_model_info()["blockgen"]["dtype"] == "bfloat16"
+
+
+def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
+    from dataclasses import asdict
+
+    from blockgen.harness.lm_eval_adapter import Window, derive_seed, score_windows
+    from blockgen.models.sampling import SamplerConfig, generate
+
+    default, explicit, auto = _lm(ckpt), _lm(ckpt, dtype="float32"), _lm(ckpt, dtype="auto")
+    ll = default.loglikelihood(_requests("loglikelihood", LL))
+    assert ll == explicit.loglikelihood(_requests("loglikelihood", LL)) == auto.loglikelihood(_requests("loglikelihood", LL))
+    gen = default.generate_until(_requests("generate_until", GEN))
+    assert gen == explicit.generate_until(_requests("generate_until", GEN)) == auto.generate_until(_requests("generate_until", GEN))
+    # the model called with no precision context at all, as before the option existed
+    windows = [Window(tuple(range(5, 40)), 3), Window(tuple(range(7, 30)), 1)]
+    bare = score_windows(default.model, windows, [1, 2], 2, default.special.pad)
+    with compute_precision("cpu", "float32"):
+        assert score_windows(default.model, windows, [1, 2], 2, default.special.pad) == bare
+    prompts = [[0, 5, 6, 7], [0, 9]]
+    sampler = SamplerConfig("arpc", steps=4, max_new_tokens=16)
+    bare_gen = generate(default.model, prompts, sampler, 1, 2, seeds=[4, 5]).tokens
+    with compute_precision("cpu", "float32"):
+        assert generate(default.model, prompts, sampler, 1, 2, seeds=[4, 5]).tokens == bare_gen
+    # the fingerprint (--use_cache's table) of a float32 run is the one it had before the option
+    a = default.args
+    assert default.fingerprint == derive_seed(default.checkpoint_hash, a.k_mc, a.seed, a.add_bos,
+                                              asdict(default.sampler)).to_bytes(8, "little").hex()
+    assert _lm(ckpt, dtype="bfloat16").fingerprint != default.fingerprint
+
+
+def test_bfloat16_is_close_to_float32_and_keeps_the_bounds_in_float(ckpt):
+    fp32, bf16 = _lm(ckpt), _lm(ckpt, dtype="bfloat16")
+    a = [lp for lp, _ in fp32.loglikelihood(_requests("loglikelihood", LL))]
+    b = [lp for lp, _ in bf16.loglikelihood(_requests("loglikelihood", LL))]
+    assert a != b  # autocast really ran in bf16
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 0.02 * abs(x), (x, y)
+    rolling = _requests("loglikelihood_rolling", [("a longer text that the rolling windows score token by token",)])
+    x, y = fp32.loglikelihood_rolling(rolling)[0], bf16.loglikelihood_rolling(rolling)[0]
+    assert abs(x - y) <= 0.02 * abs(x)
+    assert len(bf16.generate_until(_requests("generate_until", GEN))) == len(GEN)
+    model = bf16.model  # under autocast the matmuls are bf16, the logits (and all that follows) float32
+    x0 = torch.randint(4, 100, (2, 64))
+    with compute_precision("cpu", "bfloat16"):
+        logits = model.dit.forward_train(x0, x0.clone(), 8)
+    assert logits.dtype == torch.float32
+
+
+def test_tf32_is_set_only_inside_the_model_calls():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with compute_precision(torch.device("cuda", 0), "float32", tf32=True):
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32
+        with compute_precision(torch.device("cuda", 0), "float32", tf32=False):  # opt-in: untouched otherwise
+            assert not torch.backends.cuda.matmul.allow_tf32
+        with compute_precision("cpu", "float32", tf32=True):  # no CUDA: nothing to set
+            assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _dry_run(name: str) -> str:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["sweep", name, "--dry-run"]) == 0
+    return out.getvalue()
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not line.startswith(("#", "total:"))]
+
+
+def _sum(lines: list[str], unit: str) -> float:
+    return sum(float(m.group(1)) for line in lines if (m := re.search(rf"  ([0-9.]+) {unit}  ", line + "  ")))
+
+
+@pytest.mark.parametrize("name", ["gsm8k-embedded", "owt-embedded", "demo"])
+def test_offline_dry_run_prices_every_setting_from_measured_rates(name):
+    text = _dry_run(name)
+    assert "MEASURED by bench/bench_eval_cost.py" in text and eval_cost.CPU_RATES_MEASURED in text
+    g = GRIDS[name]
+    lines = [line for line in _lines(text) if "owt_ppl" not in line or g.limit is not None]
+    assert lines and all(" CPU-s  (" in line for line in lines)  # every setting priced
+    total = float(re.search(r"total: .*, ([0-9.]+) CPU-s", text).group(1))
+    assert total == pytest.approx(_sum(_lines(text), "CPU-s"), abs=0.05 * len(lines) + 0.1)
+    subtotals = [float(x) for x in re.findall(r"# model .*: \d+ settings, ([0-9.]+) CPU-s", text)]
+    assert len(subtotals) == len(g.models) and sum(subtotals) == pytest.approx(total, abs=0.05 * len(g.models) + 0.1)
+
+
+def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
+    from blockgen.models.sampling import SamplerConfig, calls_per_block
+
+    g = GRIDS["gsm8k-embedded"]
+    todo = {(s.run, s.label): s for s in sweep.settings(g)}
+    seconds, what = sweep.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
+    per_block = calls_per_block(SamplerConfig("arpc", steps=6, ge=3, warmup=0, block_size=16), 16)
+    # 16 problems, one per call (each its own budget), a budget of 128 - 128 // 4 tokens in blocks of 16
+    calls = 16 * per_block * math.ceil(96 / 16)
+    rate, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 1)
+    # besides the model calls: each problem's program in the sandbox, and the setting's fixed overhead
+    extra = 16 * eval_cost.CPU_SANDBOX_PROGRAM_S + eval_cost.CPU_SETTING_OVERHEAD_S["gsm8k_code_embedded"]
+    assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
+    demo = GRIDS["demo"]  # a max_gen_toks cap: full batches of the capped budget
+    seconds, what = sweep.estimate(demo, next(s for s in sweep.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
+                                              and s.run == "gsm-masked-mix"), "gsm-masked-mix")
+    assert f"500 rows / {demo.batch_size} per call x {4 * 80 // 16} sampler calls" in what
+    assert eval_cost.Work("likelihood", 16, 8, eval_cost.likelihood_passes((1, 16), 2)).batched_calls == 2 * 3
+    assert eval_cost.likelihood_passes((1, 2, 4, 8, 16), 8) == 33  # mix-flat at K_MC 8
+    scaled, note = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 2)
+    assert note == "rate scaled from batch 1" and scaled.call_s == pytest.approx(2 * rate.call_s)
+    assert eval_cost.cpu_rate("no-such-preset", 8) == (None, "no measured rate for no-such-preset")
+
+
+def test_full_scale_dry_run_is_derived_and_scores_the_whole_held_out_split():
+    from blockgen.harness.released import OWT_PPL_SEQUENCES
+
+    g = GRIDS["owt"]
+    assert g.limit is None  # the paper's Val. PPL: every held-out chunk (the authors validate on all of it)
+    text = _dry_run("owt")
+    assert "DERIVED, not measured" in text and "bf16" in text and "lower bound" in text
+    flat = [line for line in _lines(text) if line.startswith("owt-masked-mix-flat  owt_ppl  likelihood")]
+    assert len(flat) == 1 and f"{OWT_PPL_SEQUENCES} sequences x 33 passes" in flat[0]
+    total = float(re.search(r"total: .*, ([0-9.]+) H200-h", text).group(1))
+    assert total == pytest.approx(_sum(_lines(text), "H200-h"), rel=0.01)
+
+
+def test_sweep_precision_reaches_every_setting_and_its_own_folders():
+    from blockgen.harness.sweep import SweepConfig
+
+    plain = sweep.settings(SweepConfig("gsm8k-embedded").resolved_grid())
+    assert all("dtype" not in dict(s.extra) for s in plain)  # float32: settings (and rerun keys) as before
+    assert sweep.settings(SweepConfig("gsm8k-embedded", dtype="auto").resolved_grid()) == plain
+    g = SweepConfig("gsm8k-embedded", dtype="bfloat16", tf32=True).resolved_grid()
+    bf16 = sweep.settings(g)
+    assert len(bf16) == len(plain)
+    for a, b in zip(plain, bf16):
+        assert b.label == a.label + "-bfloat16-tf32"  # never the float32 results' folder
+        assert b.model_args(g.k_mc) == {**a.model_args(g.k_mc), "dtype": "bfloat16", "tf32": True}
+    text = io.StringIO()
+    with redirect_stdout(text):
+        assert cli.main(["sweep", "gsm8k-embedded", "--dry-run", "--dtype", "bfloat16"]) == 0
+    assert "# precision of this sweep: bfloat16" in text.getvalue() and "-T0.1-bfloat16  T=0.1" in text.getvalue()
+    with pytest.raises(SystemExit):
+        cli.main(["sweep", "gsm8k-embedded", "--dry-run", "--dtype", "float16"])

@@ -1,0 +1,61 @@
+"""A sampler as blockgen `--model_args` and back: `sampler_model_args` (SamplerConfig -> model arguments)
+is the inverse of the adapter's parsing (`BlockGenLMArgs.parse` and the model's default sampler), so
+the demo, which names its samplers as SamplerConfig, runs exactly the sampler it names.
+
+The model is the stored CI checkpoint (a masked mixture of block sizes 1 and 16, seq_len 128)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from blockgen.harness.lm_eval_adapter import BlockGenLM, BlockGenLMArgs, sampler_model_args
+from blockgen.harness.sampler_grid import GRID
+from blockgen.harness.grids import demo_samplers
+from blockgen.models.sampling import SamplerConfig
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def lm() -> BlockGenLM:
+    return BlockGenLM(pretrained=str(CHECKPOINT), device="cpu")
+
+
+def samplers() -> list[SamplerConfig]:
+    """The demo's samplers of a mixture with block size 1, every variant of the paper's grid, explicit
+    block sizes, AR decoding, and a generation budget other than the default."""
+    out = demo_samplers((1, 16), (1.0, 0.1), (4, 8, 16))
+    out += [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=0.7)
+            for by_nfe in GRID.values() for n in (4, 8, 16) for v in by_nfe[n]]
+    out += [SamplerConfig("eipc", steps=8, ge=2, warmup=1, temperature=0.5, block_size=16),
+            SamplerConfig("ancestral", steps=4, block_size=16), SamplerConfig("ar_sample", temperature=0.3),
+            SamplerConfig("ar_greedy"), SamplerConfig("arpc", steps=6, ge=3, max_new_tokens=40)]
+    # the default budget (256) leaves no room for a prompt in seq_len 128: half of it, as the adapter's default
+    return [replace(s, max_new_tokens=64) if s.max_new_tokens == SamplerConfig.max_new_tokens else s for s in out]
+
+
+def test_sampler_round_trips_through_the_adapters_model_args(lm):
+    checked = 0
+    for sampler in samplers():
+        args = {**sampler_model_args(sampler), "max_gen_toks": sampler.max_new_tokens}
+        parsed = BlockGenLMArgs.parse({"pretrained": str(CHECKPOINT), **args})
+        assert {k: getattr(parsed, k) for k in args} == args  # every argument typed and kept as given
+        back = lm.with_settings(**args).sampler
+        # AR decoding makes one call per token: it reads neither steps nor (greedy) the temperature
+        expected = replace(sampler, steps=back.steps) if sampler.is_ar else sampler
+        if sampler.name == "ar_greedy":
+            expected = replace(expected, temperature=back.temperature)
+        assert back == expected, (sampler, args, back)
+        checked += 1
+    assert checked > 40
+
+
+def test_model_args_name_only_what_the_sampler_reads():
+    assert sampler_model_args(SamplerConfig("ar_greedy", temperature=0.5)) == {"sampler": "ar_greedy"}
+    assert sampler_model_args(SamplerConfig("ar_sample", temperature=0.5)) == {"sampler": "ar_sample", "temperature": 0.5}
+    assert sampler_model_args(SamplerConfig("ancestral", steps=8)) == {"sampler": "ancestral", "steps": 8, "temperature": 1.0}
+    assert sampler_model_args(SamplerConfig("arpc", steps=6, ge=3, warmup=1, temperature=0.1, block_size=16)) == {
+        "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 1, "temperature": 0.1, "block_size": 16}
