@@ -52,6 +52,18 @@ def test_dry_run_lists_no_setting_twice(name):
     assert f"total: {len(todo)} settings, {len(g.models)} model loads" in out.getvalue()
 
 
+@pytest.mark.parametrize("target, grid", [("eval-owt", "owt"), ("eval-gsm8k", "gsm8k")])
+def test_full_scale_eval_is_one_launch_for_every_model(target, grid):
+    """`make -n eval-owt NGPU=8`: one torchrun of 8 ranks runs the whole grid (every model, every
+    setting), not one process per setting."""
+    lines = subprocess.run(["make", "-n", target, "NGPU=8"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    launches = [line for line in lines.splitlines() if "torchrun" in line or "lm_eval" in line or " sweep " in line]
+    assert len(launches) == 1, launches
+    (launch,) = launches
+    assert "--nproc_per_node=8" in launch and f"sweep {grid} " in launch and "--device cuda" in launch
+    assert set(GRIDS[grid].models) <= set(launch.split("--models", 1)[1].split("--device")[0].split())
+
+
 def test_greedy_runs_once_whatever_the_temperature():
     g = GRIDS["owt"]
     ar = [s for s in settings(g) if s.run == "owt-ar" and s.variant is not None]
