@@ -578,7 +578,7 @@ def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batc
     """(H200-seconds, what was counted) of one setting: `run` is sampler:steps:ge:warmup or 'likelihood'.
     Generation also reports its batched model calls (`batch` rows per call), whose latency the
     FLOP count does not see."""
-    from blockgen.models.sampling import SamplerConfig, calls_per_block
+    from blockgen.harness.eval_cost import generation_calls, likelihood_passes
 
     setting = parse_release_path(RELEASES[name])
     seq_len = DATASETS[setting.dataset].seq_len
@@ -587,24 +587,23 @@ def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batc
     stream = "two_stream" if two_stream else "one_stream"
     if run == "likelihood":
         n = limit or OWT_PPL_SEQUENCES
-        passes = sum(1 if s == 1 else k_mc for s in sizes) if setting.algo != "ar" else 1
+        passes = likelihood_passes(sizes, k_mc) if setting.algo != "ar" else 1
         tokens = seq_len * (2 if two_stream else 1)
         return n * passes * forward_seconds(stream, tokens), f"{n} sequences x {passes} passes"
     sampler, steps, ge, warmup = run.split(":")
-    steps, ge, warmup = int(steps), int(ge), int(warmup)
     if task.startswith("gsm8k"):
         n, new_tokens, scorer = limit or GSM8K_PROBLEMS, 256, 0.0
     else:
         n, new_tokens = limit or GENPPL_SAMPLES, seq_len
         scorer = n * SCORER_PARAMS_RATIO * forward_seconds("one_stream", seq_len)
-    if sampler in ("ar_greedy", "ar_sample"):  # one token per call, cached: about one forward per sample
-        gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
-        return gen + scorer, f"{n} x {new_tokens} tokens, one per call; {-(-n // batch) * new_tokens} batched calls"
     block = seq_len if setting.algo in ("mdlm", "duo") else max(sizes)
-    config = SamplerConfig(name=sampler, steps=steps, ge=ge, warmup=warmup, block_size=block)
-    calls = calls_per_block(config, block) * -(-new_tokens // block)
+    kind, calls = generation_calls(sampler, int(steps), int(ge), int(warmup), block, new_tokens)
+    batched = -(-n // batch) * calls
+    if kind == "ar":  # one token per call, cached: about one forward per sample
+        gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
+        return gen + scorer, f"{n} x {new_tokens} tokens, one per call; {batched} batched calls"
     per_call = forward_seconds(stream, (2 * block) if two_stream else block)  # a block and the committed one
-    return n * calls * per_call + scorer, f"{n} x {calls} calls of {block}-token blocks; {-(-n // batch) * calls} batched calls"
+    return n * calls * per_call + scorer, f"{n} x {calls} calls of {block}-token blocks; {batched} batched calls"
 
 
 def add_import_arguments(parser) -> None:
