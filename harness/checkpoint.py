@@ -87,6 +87,38 @@ def read_config(directory: str | Path) -> BlockGenConfig:
     return BlockGenConfig.from_dict(raw)  # "training" metadata (step, data) is informative only
 
 
+def read_weights(path: Path, fix: str, error: type[CheckpointError] = CheckpointError) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, or `error` in one line naming the file, its size and `fix`
+    (safetensors' own error on a truncated or empty file names no file)."""
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error type on truncation
+        size = path.stat().st_size if path.is_file() else 0
+        reason = " ".join(str(err).split())
+        raise error(f"{path}: truncated or corrupt safetensors file ({size:,} bytes: {reason}); fix: {fix}") from None
+
+
+def check_tokenizer_fits(config: BlockGenConfig, tokenizer, where: str | Path) -> None:
+    """A tokenizer of another size maps the model's ids to other text (garbage, silently), so it must be
+    the model's vocabulary: `len(tokenizer) == vocab_size`. One token more is allowed only as a converted
+    release's gpt2 layout (harness/released.py), where the authors' added [PAD] is the [MASK] row."""
+    size, vocab = len(tokenizer), config.vocab_size
+    gpt2_layout = config.prior == "masked" and size == vocab + 1 and tokenizer.pad_token_id == vocab
+    if size != vocab and not gpt2_layout:
+        raise CheckpointError(f"{where}: the tokenizer has {size:,} tokens, but {CONFIG} says vocab_size {vocab:,}; fix: "
+                              f"put the tokenizer the model was trained with beside its weights (the training run's "
+                              f"checkpoint folder has it)")
+
+
+def load_checkpoint_tokenizer(directory: str | Path, config: BlockGenConfig):
+    """The tokenizer saved in a checkpoint directory, checked against its config."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    check_tokenizer_fits(config, tokenizer, Path(directory) / "tokenizer.json")
+    return tokenizer
+
+
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", load_tokenizer: bool = True):
     """(model in eval mode, tokenizer or None) from a checkpoint directory."""
     directory = Path(directory)
@@ -97,10 +129,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", l
     weights = directory / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS}")
-    try:
-        state = load_file(str(weights))
-    except Exception as err:  # safetensors raises its own error type on truncation
-        raise CheckpointError(f"{weights} could not be read (truncated or corrupt?): {err}") from err
+    state = read_weights(weights, "save the checkpoint again (or copy it again from where it was trained)")
     expected = model.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -112,11 +141,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", l
         )
     model.load_state_dict(state)
     model.to(device).eval()
-    tokenizer = None
-    if load_tokenizer:
-        from transformers import PreTrainedTokenizerFast
-
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    tokenizer = load_checkpoint_tokenizer(directory, config) if load_tokenizer else None
     return model, tokenizer
 
 

@@ -25,9 +25,10 @@ How the authors' network differs from this project's, and where each difference 
   Duo embeds sigma = -log alpha_t: `time_conditioning=True`; BlockGen and MDLM embed sigma = 0,
   which is this project's constant conditioning (the embedding of t = 0);
 - the uniform BlockGen models saw uniform draws at block size 1: `ar_placeholder="random"`;
-- vocabulary: V rows, [MASK] = V - 1 for absorb / mdlm / ar (this project's [MASK] = vocab_size is the
-  same id); OWT's [MASK] 50257 is also the authors' [PAD], harmless here because padding is never
-  attended to; the -1e6 mask logit and carry-over are this project's -inf (same probabilities);
+- vocabulary: the rows follow the authors' rule (`release_rows`); [MASK] = V - 1 for absorb / mdlm / ar
+  (this project's [MASK] = vocab_size is the same id); OWT's [MASK] 50257 is also the authors' [PAD],
+  harmless here because padding is never attended to; the -1e6 mask logit and carry-over are this
+  project's -inf (same probabilities);
 - rotate-half rotary, bias-free LayerNorm, adaLN chunk order, GELU-tanh MLP: already identical.
 """
 
@@ -113,28 +114,65 @@ def _mixture(weights: str, block_size: int, where: str) -> tuple[tuple[int, ...]
     return (1, block_size), (a, b)
 
 
-def parse_release_path(path: str | Path) -> ReleaseSetting:
-    """The setting encoded by a release path (a hub subfolder or any local path that ends in one).
+BASELINES = ("ar", "mdlm", "duo")
+_MIDDLE = {"single_block_size": ("<dataset>",), "multi_block_size": ("<dataset>", "<weights a_b|uniform>")}
 
-    The last `baselines/...` or `blockgen/...` tail of the path that follows the release layout wins;
-    a path without one gives an empty setting (everything must then come from overrides).
-    """
-    parts = [p for p in Path(str(path)).parts if p not in ("", "/")]
-    for start in range(len(parts) - 1, -1, -1):
-        rest = parts[start:]
-        where = "/".join(rest)
-        if rest[0] == "baselines" and len(rest) == 3 and rest[2] in ("ar", "mdlm", "duo"):
+
+def _parse_tail(rest: list[str]) -> ReleaseSetting:
+    """The setting of one `baselines/...` or `blockgen/...` tail; a ReleaseError names the component that
+    breaks the layout (the hub's names are lower case and exact)."""
+    where = "/".join(rest)
+    if rest[0] == "baselines":
+        if len(rest) == 3 and rest[2] in BASELINES:
             algo = rest[2]
             return ReleaseSetting(algo=algo, prior="uniform" if algo == "duo" else "masked", dataset=rest[1], subfolder=where)
-        if rest[0] != "blockgen" or len(rest) < 5 or rest[-1] not in PRIORS or not rest[2].isdigit():
-            continue
-        block = int(rest[2])
-        if rest[1] == "single_block_size" and len(rest) == 5:
-            return ReleaseSetting("blockgen", PRIORS[rest[-1]], (block,), (1.0,), False, rest[3], where)
-        if rest[1] == "multi_block_size" and len(rest) == 6:
-            sizes, weights = _mixture(rest[4], block, where)
-            return ReleaseSetting("blockgen", PRIORS[rest[-1]], sizes, weights, True, rest[3], where)
-    return ReleaseSetting()
+        if len(rest) == 2 and rest[1] in BASELINES:
+            raise ReleaseError(f"{where}: the dataset component is missing (baselines/<dataset>/{rest[1]})")
+        if len(rest) == 3:
+            raise ReleaseError(f"{where}: the model component {rest[2]!r} is not one of {list(BASELINES)}")
+        raise ReleaseError(f"{where}: {len(rest)} components, expected baselines/<dataset>/<ar|mdlm|duo>")
+    kind = rest[1] if len(rest) > 1 else ""
+    if kind not in _MIDDLE:
+        raise ReleaseError(f"{where}: the component {kind!r} after blockgen/ is not one of {list(_MIDDLE)}")
+    middle = _MIDDLE[kind]
+    template = "/".join(("blockgen", kind, "<block size>", *middle, "<absorb|uniform>"))
+    if len(rest) < 4:
+        raise ReleaseError(f"{where}: {len(rest)} components, expected {template}")
+    if not rest[2].isdigit():
+        raise ReleaseError(f"{where}: the block size component {rest[2]!r} is not a number ({template})")
+    if rest[-1] not in PRIORS:
+        raise ReleaseError(f"{where}: the prior component {rest[-1]!r} is not one of {list(PRIORS)} ({template})")
+    given = rest[3:-1]
+    if len(given) < len(middle):  # which one is missing: a known dataset name tells
+        absent = middle[1] if given and given[0] in DATASETS else middle[0] if given else " and ".join(middle)
+        raise ReleaseError(f"{where}: the {absent} component is missing ({template})")
+    if len(given) > len(middle):
+        raise ReleaseError(f"{where}: {len(rest)} components, expected {template}")
+    block = int(rest[2])
+    if kind == "single_block_size":
+        return ReleaseSetting("blockgen", PRIORS[rest[-1]], (block,), (1.0,), False, rest[3], where)
+    sizes, weights = _mixture(rest[4], block, where)
+    return ReleaseSetting("blockgen", PRIORS[rest[-1]], sizes, weights, True, rest[3], where)
+
+
+def read_release_path(path: str | Path) -> tuple[ReleaseSetting, str | None]:
+    """(the setting a release path encodes, None), or (an empty setting, why the path's last `baselines/`
+    or `blockgen/` tail breaks the layout; None when it has no such component)."""
+    parts = [p for p in Path(str(path)).parts if p not in ("", "/")]
+    problem = None
+    for start in range(len(parts) - 1, -1, -1):  # the last tail that follows the layout wins
+        if parts[start] in ("baselines", "blockgen"):
+            try:
+                return _parse_tail(parts[start:]), None
+            except ReleaseError as err:
+                problem = problem or str(err)
+    return ReleaseSetting(), problem
+
+
+def parse_release_path(path: str | Path) -> ReleaseSetting:
+    """The setting encoded by a release path (a hub subfolder or any local path that ends in one); a
+    path that does not follow the layout gives an empty setting (everything must then come from overrides)."""
+    return read_release_path(path)[0]
 
 
 # ------------------------------------------------------------------------------ overrides
@@ -180,7 +218,8 @@ class ReleaseOverrides:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "tokenizer"}
 
 
-def _merge(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str) -> ReleaseSetting:
+def _merge(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str, problem: str | None = None) -> ReleaseSetting:
+    """The path's setting completed by the overrides; `problem`: why the path broke the layout."""
     values = asdict(setting)
     for key, value in overrides.given().items():
         if values[key] is not None and values[key] != value:
@@ -190,8 +229,10 @@ def _merge(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str) ->
         values[key] = value
     merged = ReleaseSetting(**values)
     if merged.algo is None:
-        raise ReleaseError(f"{source}: the path does not follow the release layout ({HUB_REPO}: baselines/<data>/<ar|mdlm|duo>, "
-                           f"blockgen/...); give algo= (one of {list(ALGOS)}) and prior=, block_sizes=, block_weights=")
+        why = problem or "no baselines/<data>/<ar|mdlm|duo> or blockgen/... components"
+        raise ReleaseError(f"{source}: the path does not follow the release layout of {HUB_REPO} ({why}); fix: name the "
+                           f"folder as the hub's subfolder (`blockgen released names` lists them), or give algo= (one "
+                           f"of {list(ALGOS)}) and prior=, block_sizes=, block_weights=")
     if merged.prior is None:
         merged = replace(merged, prior={"ar": "masked", "mdlm": "masked", "duo": "uniform"}.get(merged.algo))
     if merged.prior is None:
@@ -207,7 +248,7 @@ def _merge(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str) ->
 
 def _vocab_rows(weights: dict[str, torch.Tensor], source: str) -> int:
     if "vocab_embed.embedding" not in weights:
-        raise ReleaseError(f"{source}: {WEIGHTS} has no 'vocab_embed.embedding'; not a release of {HUB_REPO}")
+        raise ReleaseError(f"{source}/{WEIGHTS}: no 'vocab_embed.embedding'; not a release of {HUB_REPO}; fix: {fetch_hint(None)}")
     return int(weights["vocab_embed.embedding"].shape[0])
 
 
@@ -224,6 +265,7 @@ def release_config(raw: dict, weights: dict[str, torch.Tensor], setting: Release
     algo = setting.algo
     if kind not in ("block-dit", "dit"):
         raise ReleaseError(f"{source}/{CONFIG}: type={kind!r}; expected 'block-dit' or 'dit'")
+    _check_sizes(raw, weights, f"{source}/{CONFIG}")
     if (kind == "block-dit") != (algo == "blockgen"):
         raise ReleaseError(f"{source}: algo={algo} contradicts config.json type={kind!r} "
                            f"('block-dit' is BlockGen, 'dit' the AR / MDLM / Duo baselines)")
@@ -265,21 +307,54 @@ def release_config(raw: dict, weights: dict[str, torch.Tensor], setting: Release
             ar_placeholder="random" if algo == "blockgen" and setting.prior == "uniform" else "fixed",
         )
     except ValueError as err:
-        raise ReleaseError(f"{source}: {err}") from None
+        raise ReleaseError(f"{source}/{CONFIG}: {err}; fix: fetch the release's {CONFIG} again") from None
 
 
-_RENAMES = [  # (authors' key pattern, this project's), applied in order
-    (r"^vocab_embed\.embedding$", "dit.embed.weight"),
-    (r"^sigma_map\.mlp\.(\d)\.(weight|bias)$", r"dit.time.mlp.\1.\2"),
-    (r"^blocks\.(\d+)\.attn_qkv\.weight$", r"dit.blocks.\1.attn.qkv.weight"),
-    (r"^blocks\.(\d+)\.attn_out\.weight$", r"dit.blocks.\1.attn.out.weight"),
-    (r"^blocks\.(\d+)\.adaLN_modulation\.(weight|bias)$", r"dit.blocks.\1.adaLN.\2"),
-    (r"^blocks\.(\d+)\.(norm1|norm2)\.weight$", r"dit.blocks.\1.\2.weight"),
-    (r"^blocks\.(\d+)\.mlp\.(0|2)\.(weight|bias)$", r"dit.blocks.\1.mlp.\2.\3"),
-    (r"^output_layer\.norm_final\.weight$", "dit.final.norm.weight"),
-    (r"^output_layer\.linear\.(weight|bias)$", r"dit.final.linear.\1"),
-    (r"^output_layer\.adaLN_modulation\.(weight|bias)$", r"dit.final.adaLN.\1"),
+def _check_sizes(raw: dict, weights: dict[str, torch.Tensor], where: str) -> None:
+    """config.json's sizes against the tensors that carry them, so that a wrong field is named as such
+    rather than surfacing as arithmetic on it (n_heads is visible only through rotary_emb.inv_freq)."""
+    embed, inv_freq = weights["vocab_embed.embedding"], weights.get("rotary_emb.inv_freq")
+    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
+    found = {"hidden_size": (embed.shape[1], f"vocab_embed.embedding {list(embed.shape)}"),
+             "n_blocks": (len(blocks), f"blocks.0 ... blocks.{len(blocks) - 1}")}
+    if "sigma_map.mlp.0.weight" in weights:
+        found["cond_dim"] = (weights["sigma_map.mlp.0.weight"].shape[0],
+                             f"sigma_map.mlp.0.weight {list(weights['sigma_map.mlp.0.weight'].shape)}")
+    if inv_freq is not None and inv_freq.numel() and embed.shape[1] % (2 * inv_freq.numel()) == 0:
+        found["n_heads"] = (embed.shape[1] // (2 * inv_freq.numel()),
+                            f"rotary_emb.inv_freq {list(inv_freq.shape)}: head_dim {2 * inv_freq.numel()}")
+    for key, (value, evidence) in found.items():
+        if raw[key] != value:
+            raise ReleaseError(f"{where}: {key} is {raw[key]!r}, but {WEIGHTS} has {value} ({evidence}); "
+                               f"fix: set {key} to {value} (or fetch the release's {CONFIG} again)")
+
+
+# The authors' key names and this project's, one template per tensor ({n}: a block).
+_NAMES = [
+    ("vocab_embed.embedding", "dit.embed.weight"),
+    ("sigma_map.mlp.{i}.{p}", "dit.time.mlp.{i}.{p}"),
+    ("blocks.{n}.attn_qkv.weight", "dit.blocks.{n}.attn.qkv.weight"),
+    ("blocks.{n}.attn_out.weight", "dit.blocks.{n}.attn.out.weight"),
+    ("blocks.{n}.adaLN_modulation.{p}", "dit.blocks.{n}.adaLN.{p}"),
+    ("blocks.{n}.{norm}.weight", "dit.blocks.{n}.{norm}.weight"),
+    ("blocks.{n}.mlp.{i}.{p}", "dit.blocks.{n}.mlp.{i}.{p}"),
+    ("output_layer.norm_final.weight", "dit.final.norm.weight"),
+    ("output_layer.linear.{p}", "dit.final.linear.{p}"),
+    ("output_layer.adaLN_modulation.{p}", "dit.final.adaLN.{p}"),
 ]
+_FIELDS = {"n": r"\d+", "i": "0|2", "p": "weight|bias", "norm": "norm1|norm2"}
+
+
+def rename(key: str, to_project: bool = True) -> str | None:
+    """An authors' key in this project's names (or back, `to_project=False`); None: no such tensor."""
+    for authors, ours in _NAMES:
+        source, target = (authors, ours) if to_project else (ours, authors)
+        pieces = re.split(r"\{(\w+)\}", source)  # literal, field, literal, ...
+        pattern = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>{_FIELDS[p]})" for i, p in enumerate(pieces))
+        match = re.fullmatch(pattern, key)
+        if match:
+            return target.format(**match.groupdict())
+    return None
 
 
 def map_weights(weights: dict[str, torch.Tensor], head_dim: int, source: str) -> dict[str, torch.Tensor]:
@@ -290,33 +365,46 @@ def map_weights(weights: dict[str, torch.Tensor], head_dim: int, source: str) ->
         if key == "rotary_emb.inv_freq":
             want = 1.0 / 10_000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
             if value.shape != want.shape or not torch.allclose(value.float(), want, rtol=1e-6, atol=0):
-                raise ReleaseError(f"{source}: rotary_emb.inv_freq is not the base-10000 table of head_dim {head_dim}")
+                raise ReleaseError(f"{source}/{WEIGHTS}: rotary_emb.inv_freq is not the base-10000 table of head_dim "
+                                   f"{head_dim}; fix: {fetch_hint(None)}")
             continue
-        for pattern, target in _RENAMES:
-            if re.match(pattern, key):
-                out[re.sub(pattern, target, key)] = value.float()
-                break
-        else:
-            raise ReleaseError(f"{source}: unexpected tensor {key!r} in {WEIGHTS}")
+        ours = rename(key)
+        if ours is None:
+            raise ReleaseError(f"{source}/{WEIGHTS}: unexpected tensor {key!r} {list(value.shape)}; not a release of {HUB_REPO}")
+        out[ours] = value.float()
     return out
 
 
 # ------------------------------------------------------------------------------ where a release lives
 
 
-def is_release_spec(pretrained: str | Path) -> bool:
-    """`hf:...`, or a local folder whose config.json is the authors' (a `type`, no `model_type`)."""
-    text = str(pretrained)
-    if text.startswith(HF_PREFIX):
-        return True
-    path = Path(text) / CONFIG
+def _read_config(folder: Path) -> tuple[dict | None, str]:
+    """(config.json, "") when it is the authors' (a `type`, no `model_type`), else (what was read, or
+    None, and why it is not a release's)."""
+    path = folder / CONFIG
     if not path.is_file():
-        return False
+        return None, f"{path}: missing"
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(raw, dict) and "model_type" not in raw and raw.get("type") in ("block-dit", "dit")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"{path}: not valid JSON ({err})"
+    if not isinstance(raw, dict):
+        return None, f"{path}: a JSON {type(raw).__name__}, not an object"
+    if "model_type" in raw or raw.get("type") not in ("block-dit", "dit"):
+        return raw, f"{path}: type={raw.get('type')!r}, expected the authors' 'block-dit' or 'dit'"
+    return raw, ""
+
+
+def is_release_spec(pretrained: str | Path) -> bool:
+    """`hf:...`, or a local folder whose config.json is the authors'."""
+    text = str(pretrained)
+    return text.startswith(HF_PREFIX) or not _read_config(Path(text))[1]
+
+
+def fetch_hint(subfolder: str | None) -> str:
+    """How to get a release's files again."""
+    return (f"fetch the release's files again (`huggingface-cli download {HUB_REPO} --include "
+            f"'{subfolder or '<subfolder>'}/*' --local-dir DIR`)")
 
 
 def split_hf(spec: str) -> tuple[str, str]:
@@ -341,9 +429,14 @@ def locate(pretrained: str | Path) -> tuple[Path, str]:
         folder = Path(text)
         for name in (CONFIG, WEIGHTS):
             if not (folder / name).is_file():
-                raise ReleaseError(f"{folder}: no {name}; a release folder holds {CONFIG} and {WEIGHTS}")
+                raise ReleaseError(f"{folder / name}: missing (a release folder holds {CONFIG} and {WEIGHTS}); "
+                                   f"fix: {fetch_hint(parse_release_path(folder).subfolder)}")
         return folder, str(folder.resolve())
     repo, subfolder = split_hf(text)
+    setting, problem = read_release_path(subfolder)
+    if repo == HUB_REPO and setting.algo is None:  # the hub holds the layout's subfolders only
+        raise ReleaseError(f"{text}: {problem or 'no baselines/... or blockgen/... subfolder'}; fix: the hub's "
+                           f"subfolders are listed by `blockgen released names`")
     local = os.environ.get(LOCAL_DIR_ENV)
     if local and all((Path(local) / subfolder / n).is_file() for n in (CONFIG, WEIGHTS)):
         return Path(local) / subfolder, text
@@ -352,30 +445,57 @@ def locate(pretrained: str | Path) -> tuple[Path, str]:
 
         paths = [hf_hub_download(repo, name, subfolder=subfolder) for name in (CONFIG, WEIGHTS)]
     except Exception as err:  # offline, DNS, 404, a missing cache entry under HF_HUB_OFFLINE=1
-        raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__}: {err})") from err
+        reason = " ".join(str(err).split())  # hub errors span lines: the message stays one
+        raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__}: {reason})") from err
     return Path(paths[0]).parent, text
 
 
 # ------------------------------------------------------------------------------ tokenizer
 
 
-def release_tokenizer(name: str, rows: int, prior: str, source: str):
-    """The setting's tokenizer as the authors prepare it: `[PAD]` added when there is none; then
-    V = len(tokenizer) (+1 for the [MASK] row of absorb / mdlm / ar) must be the embedding's rows."""
+def release_rows(tokenizer, prior: str, gpt2: bool) -> int:
+    """The authors' embedding rows for a tokenizer prepared as theirs ([PAD] added where it has none):
+    absorb / MDLM / AR add the [MASK] row at their `vocab_size`, uniform / Duo have `len(tokenizer)` rows.
+    Their `get_tokenizer` leaves gpt2 as it is (vocab_size 50257, len 50258: [MASK] is the added [PAD])
+    and wraps every other tokenizer so that vocab_size == len."""
+    if prior == "uniform":
+        return len(tokenizer)
+    return (tokenizer.vocab_size if gpt2 else len(tokenizer)) + 1
+
+
+def release_tokenizer(name: str, rows: int, setting: ReleaseSetting, source: str, given: bool, prior_free: bool):
+    """The tokenizer as the authors prepare it, checked against the embedding's rows. The layout (gpt2 or
+    wrapped) follows the path's dataset; a path that names none takes either, the one the rows fit.
+    `given`: the name is the user's tokenizer=; `prior_free`: prior= may still be chosen."""
     from blockgen.harness.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(name)
-    if tokenizer.pad_token is None:
+    try:
+        tokenizer = load_tokenizer(name)
+    except HubUnavailableError:
+        if given:
+            raise ReleaseError(f"tokenizer={name}: neither a folder with tokenizer files nor a hub name reachable "
+                               f"from here; fix: tokenizer=<a folder with tokenizer.json, or vocab.json and merges.txt>") from None
+        raise HubUnavailableError(f"{source}: its dataset {setting.dataset} reads the tokenizer {name}, which is neither "
+                                  f"reachable on the hub nor in its cache; fix: tokenizer=<dir>, a local copy of {name} "
+                                  f"(`huggingface-cli download {name} --local-dir DIR` where the hub is reachable)") from None
+    added = tokenizer.pad_token is None
+    if added:  # as the authors' get_tokenizer does
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    want = len(tokenizer) + (prior == "masked")
-    if want != rows:
-        hint = ""
-        if rows == len(tokenizer) + (prior != "masked"):
-            other = "uniform" if prior == "masked" else "masked"
-            hint = f"; the rows fit prior={other} instead"
-        raise ReleaseError(f"{source}: tokenizer {name} has {len(tokenizer)} tokens, so prior={prior} needs "
-                           f"{want} embedding rows, but the weights have {rows}{hint}")
-    return tokenizer
+    layouts = [setting.tokenizer == "gpt2"] if setting.tokenizer else [False, True]
+    if any(release_rows(tokenizer, setting.prior, gpt2) == rows for gpt2 in layouts):
+        return tokenizer
+    want = " or ".join(str(n) for n in sorted({release_rows(tokenizer, setting.prior, gpt2) for gpt2 in layouts}))
+    other = "uniform" if setting.prior == "masked" else "masked"
+    if prior_free and any(release_rows(tokenizer, other, gpt2) == rows for gpt2 in layouts):
+        fix = f"prior={other} (the rows fit it)"
+    else:
+        fix = "tokenizer=<dir> holding the tokenizer this model was trained with"
+        fix += f" ({setting.tokenizer})" if setting.tokenizer else ""
+    tokens = f"{len(tokenizer)} tokens{' with the added [PAD]' if added else ''}"
+    raise ReleaseError(f"{source}/{WEIGHTS}: vocab_embed.embedding has {rows} rows, but the tokenizer {name} (vocab_size "
+                       f"{tokenizer.vocab_size}, {tokens}) gives {want} for prior={setting.prior} (the authors' rule: "
+                       f"uniform / Duo len(tokenizer), absorb / MDLM / AR vocab_size + 1, where vocab_size is "
+                       f"len(tokenizer) for every tokenizer but gpt2); fix: {fix}")
 
 
 # ------------------------------------------------------------------------------ import (convert once)
@@ -397,38 +517,45 @@ def import_release(pretrained: str | Path, overrides: ReleaseOverrides = Release
     `out_dir` None: a folder under `cache_root()` keyed by the release files, the setting and the
     tokenizer, reused when it exists. The source is recorded under config.json's `training.source`.
     """
-    from safetensors.torch import load_file
-
+    from blockgen.harness.checkpoint import read_weights
     from blockgen.harness.tokenizer import special_tokens
 
     folder, source = locate(pretrained)
-    try:
-        raw = json.loads((folder / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ReleaseError(f"{folder / CONFIG} could not be read: {err}") from err
-    setting = _merge(parse_release_path(str(pretrained)[len(HF_PREFIX):] if str(pretrained).startswith(HF_PREFIX) else folder),
-                     overrides, source)
+    text = str(pretrained)
+    path_setting, problem = read_release_path(text[len(HF_PREFIX):] if text.startswith(HF_PREFIX) else folder)
+    raw, config_problem = _read_config(folder)
+    if config_problem:
+        raise ReleaseError(f"{config_problem}; fix: {fetch_hint(path_setting.subfolder)}")
+    setting = _merge(path_setting, overrides, source, problem)
     tokenizer_name = overrides.tokenizer or setting.tokenizer
     if tokenizer_name is None:
         raise ReleaseError(f"{source}: the path names no dataset with a known tokenizer ({sorted(DATASETS)}); "
-                           f"pass tokenizer=<directory or hub name>")
+                           f"fix: tokenizer=<directory or hub name>")
     key = hashlib.sha256(json.dumps([_file_id(folder / CONFIG), _file_id(folder / WEIGHTS), asdict(setting), source,
                                      _tokenizer_id(tokenizer_name)]).encode()).hexdigest()[:20]
     target = Path(out_dir) if out_dir is not None else cache_root() / key
     if out_dir is None and (target / CONFIG).is_file() and (target / WEIGHTS).is_file():
         return target
-    weights = load_file(str(folder / WEIGHTS))
+    weights = read_weights(folder / WEIGHTS, fetch_hint(setting.subfolder), ReleaseError)
     rows = _vocab_rows(weights, source)
-    tokenizer = release_tokenizer(tokenizer_name, rows, setting.prior, source)
+    tokenizer = release_tokenizer(tokenizer_name, rows, setting, source, given=overrides.tokenizer is not None,
+                                  prior_free=setting.algo == "blockgen" and path_setting.prior is None)
     config = release_config(raw, weights, setting, source, special_tokens(tokenizer).to_dict())
     state = map_weights(weights, config.shape.d_model // config.shape.n_heads, source)
     model = BlockGen(config)
     expected = model.state_dict()
-    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    shapes = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
-    if missing or unexpected or shapes:
-        raise ReleaseError(f"{source}: the weights do not fit config.json and the setting ({setting.algo}, prior "
-                           f"{setting.prior}): missing={missing[:4]} unexpected={unexpected[:4]} shapes={shapes[:4]}")
+
+    def authors(key: str) -> str:
+        return rename(key, to_project=False) or key
+
+    problems = [f"{authors(k)} is {list(state[k].shape)}, expected {list(expected[k].shape)}"
+                for k in sorted(expected.keys() & state.keys()) if expected[k].shape != state[k].shape]
+    problems += [f"{authors(k)} {list(expected[k].shape)} is missing" for k in sorted(expected.keys() - state.keys())]
+    problems += [f"{authors(k)} is not expected" for k in sorted(state.keys() - expected.keys())]
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise ReleaseError(f"{source}/{WEIGHTS}: does not fit {CONFIG} ({setting.algo}, prior {setting.prior}): "
+                           f"{'; '.join(problems[:4])}{more}; fix: {fetch_hint(setting.subfolder)}")
     model.load_state_dict(state)
     extra = {"source": source, "release": {**asdict(setting), "tokenizer": tokenizer_name, "config": raw}}
     if out_dir is not None:
@@ -460,12 +587,15 @@ def resolve(pretrained: str | Path, overrides: ReleaseOverrides = ReleaseOverrid
     this project is returned as it is (release overrides on it are an error)."""
     if is_release_spec(pretrained):
         return import_release(pretrained, overrides)
-    given = overrides.given()
-    if given or overrides.tokenizer:
-        names = sorted([*given, *(["tokenizer"] if overrides.tokenizer else [])])
+    names = sorted([*overrides.given(), *(["tokenizer"] if overrides.tokenizer else [])])
+    if not names:
+        return Path(pretrained)
+    raw, problem = _read_config(Path(pretrained))
+    if raw is not None and raw.get("model_type") == "blockgen":
         raise ReleaseError(f"pretrained={pretrained} is a checkpoint of this project: {names} apply to released "
-                           f"checkpoints only (hf:{HUB_REPO}/<subfolder> or a release folder)")
-    return Path(pretrained)
+                           f"checkpoints only (hf:{HUB_REPO}/<subfolder> or a release folder); fix: drop them")
+    raise ReleaseError(f"{problem}; {names} take a release folder, which holds the authors' {CONFIG} beside {WEIGHTS}; "
+                       f"fix: {fetch_hint(parse_release_path(pretrained).subfolder)}")
 
 
 def resolve_model_args(model_args: dict) -> Path:
@@ -619,7 +749,11 @@ def run_import(args) -> int:
         return 2
     for spec in args.specs:
         spec = release_spec(spec) if spec in RELEASES else spec
-        print(import_release(spec, ReleaseOverrides(tokenizer=args.tokenizer), args.out_dir))
+        try:
+            print(import_release(spec, ReleaseOverrides(tokenizer=args.tokenizer), args.out_dir))
+        except (CheckpointError, HubUnavailableError) as err:  # ReleaseError included: one line, not a traceback
+            print(f"blockgen import: error: {err}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -33,16 +33,15 @@ def model_path(metadata: dict[str, Any]) -> str | None:
 def checkpoint_tokenizer(pretrained: str):
     """(tokenizer, SpecialTokens) of a checkpoint: the special ids recorded at training time, else
     the tokenizer's own (a Hugging Face model directory or name, as lm-eval's hf backend takes)."""
-    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.harness.checkpoint import CheckpointError, load_checkpoint_tokenizer, read_config
     from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
 
     try:
-        recorded = read_config(pretrained).special_tokens
+        config = read_config(pretrained)
     except CheckpointError:  # not a BlockGen checkpoint: e.g. --model hf
         return (tokenizer := load_tokenizer(pretrained)), special_tokens(tokenizer)
-    from transformers import PreTrainedTokenizerFast  # as `load_checkpoint` reads it
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pretrained))
+    tokenizer = load_checkpoint_tokenizer(pretrained, config)
+    recorded = config.special_tokens
     return tokenizer, SpecialTokens.from_dict(recorded) if recorded else special_tokens(tokenizer)
 
 

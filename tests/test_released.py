@@ -1,9 +1,13 @@
 """The paper's released checkpoints (harness/released.py) against the fixtures in the release format.
 
-The fixtures (`../shared/data/released`, or $BLOCKGEN_RELEASE_FIXTURES) are tiny random models saved as
-the authors' code saves a release, with the logits, log-probabilities and NLLs that the authors' code
-computes for them. Every fixture is loaded through the adapter (`pretrained=<folder>,tokenizer=...`),
-the path users take, and every recorded reference is matched to 1e-4 (float32, CPU).
+Two fixture sets (`../shared/data/released` and `../shared/data/released-gpt2`, or $BLOCKGEN_RELEASE_FIXTURES and
+$BLOCKGEN_RELEASE_FIXTURES_GPT2) hold tiny random models saved as the authors' code saves a release, with the
+logits, log-probabilities and NLLs that the authors' code computes for them: the first with a SmolLM-like
+tokenizer (vocab_size == len), the second with a gpt2-like one (vocab_size + 1 == len: [PAD] added, which is
+the masked families' [MASK]). Every fixture of both is loaded through the adapter (`pretrained=<folder>,
+tokenizer=...`), the path users take, and every recorded reference is matched to 1e-4 (float32, CPU).
+Corrupted copies (in tmp_path) check that each way a release can be broken gives one line naming the
+file, what was expected and found, and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from blockgen.harness.checkpoint import CheckpointError, load_checkpoint
 from blockgen.harness.hub import HubUnavailableError
 from blockgen.harness.released import (
     DATASETS,
@@ -30,12 +35,19 @@ from blockgen.harness.released import (
 )
 from blockgen.models.model import BlockGenConfig
 from blockgen.models.sampling import Decoder, SamplerConfig, generate
+from limits import HANG_S
 
 FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES", Path(__file__).resolve().parents[2] / "shared/data/released"))
-FOLDERS = sorted(str(p.parent.relative_to(FIXTURES)) for p in FIXTURES.rglob("reference.json")) if FIXTURES.is_dir() else []
-if not FOLDERS and os.environ.get("CI"):  # CI lays shared/ beside its clone: a skip there would hide a failure
-    raise RuntimeError(f"CI: release fixtures not found at {FIXTURES}")
-needs_fixtures = pytest.mark.skipif(not FOLDERS, reason=f"release fixtures not found at {FIXTURES}")
+GPT2_FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES_GPT2", FIXTURES.parent / "released-gpt2"))
+SETS = {"released": FIXTURES, "released-gpt2": GPT2_FIXTURES}
+FOLDERS = {name: sorted(str(p.parent.relative_to(root)) for p in root.rglob("reference.json")) if root.is_dir() else []
+           for name, root in SETS.items()}
+if not all(FOLDERS.values()) and os.environ.get("CI"):  # CI lays shared/ beside its clone: a skip there would hide a failure
+    raise RuntimeError(f"CI: release fixtures not found at {[str(root) for root in SETS.values()]}")
+needs_fixtures = pytest.mark.skipif(not all(FOLDERS.values()), reason=f"release fixtures not found at {list(SETS.values())}")
+CASES = [pytest.param(name, folder, id=f"{name}/{folder}") for name, folders in FOLDERS.items() for folder in folders]
+MIXTURE = "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"  # in both sets
+GPT2_TOKENIZER = GPT2_FIXTURES / "tokenizer"
 ATOL = 1e-4
 BIN = Path(sys.executable).parent
 
@@ -65,10 +77,27 @@ def tok64(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tokenizer_of(tok64) -> dict[str, str]:
+    """Each fixture set's tokenizer (the gpt2-like one ships with its set)."""
+    return {"released": str(tok64), "released-gpt2": str(GPT2_TOKENIZER)}
+
+
 def _lm(pretrained, **kwargs):
     from lm_eval.api.registry import get_model
 
     return get_model("blockgen")(pretrained=str(pretrained), device="cpu", **kwargs)
+
+
+def _one_line(kind, call, *parts: str) -> str:
+    """The error `call` raises: of `kind`, one line, with each of `parts` and a fix."""
+    with pytest.raises(kind) as info:
+        call()
+    text = str(info.value)
+    assert "\n" not in text and "fix: " in text, text
+    for part in parts:
+        assert part in text, f"{part!r} not in: {text}"
+    return text
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -87,13 +116,15 @@ def _close_log_probs(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 @needs_fixtures
-@pytest.mark.parametrize("folder", FOLDERS)
-def test_fixture_matches_the_authors_reference(folder, tok64):
-    meta = json.loads((FIXTURES / folder / "reference.json").read_text())
-    ref = load_file(str(FIXTURES / folder / "reference.safetensors"))
-    lm = _lm(FIXTURES / folder, tokenizer=str(tok64))
+@pytest.mark.parametrize("fixture_set, folder", CASES)
+def test_fixture_matches_the_authors_reference(fixture_set, folder, tokenizer_of):
+    root = SETS[fixture_set]
+    meta = json.loads((root / folder / "reference.json").read_text())
+    ref = load_file(str(root / folder / "reference.safetensors"))
+    lm = _lm(root / folder, tokenizer=tokenizer_of[fixture_set])
     model, prior = lm.model, lm.model.prior
-    assert lm.get_model_info()["model_source"] == str((FIXTURES / folder).resolve())
+    assert lm.get_model_info()["model_source"] == str((root / folder).resolve())
+    assert model.dit.embed.weight.shape[0] == meta["vocab_size"]  # the authors' rows, whatever the layout
     x0 = ref["input.x0"]
     checked = 0
     with torch.no_grad():
@@ -210,9 +241,13 @@ def test_inconsistent_overrides_fail_clearly(tmp_path, tok64):
     shutil.copytree(absorb, copy)
     with pytest.raises(ReleaseError, match="give algo="):
         resolve(copy, ReleaseOverrides(tokenizer=tok))
-    with pytest.raises(ReleaseError, match="64 tokens, so prior=uniform needs 64 embedding rows, but the weights have 65; "
-                                           "the rows fit prior=masked"):
-        resolve(copy, ReleaseOverrides.from_model_args(algo="blockgen", prior="uniform", block_sizes="8", tokenizer=tok))
+    _one_line(ReleaseError, lambda: resolve(copy, ReleaseOverrides.from_model_args(algo="blockgen", prior="uniform",
+                                                                                 block_sizes="8", tokenizer=tok)),
+              f"{copy.resolve()}/model.safetensors: vocab_embed.embedding has 65 rows", "gives 64 for prior=uniform",
+              "fix: prior=masked (the rows fit it)")
+    # The path says the prior: the hint is the tokenizer, never a prior= that the path refuses.
+    _one_line(ReleaseError, lambda: resolve(absorb, ReleaseOverrides(tokenizer=str(GPT2_TOKENIZER))),
+              "has 65 rows", "gives 121 or 122 for prior=masked", "fix: tokenizer=<dir> holding the tokenizer this model was trained with")
     with pytest.raises(ReleaseError, match="block size 1 contradicts the weights' block-causal clean stream"):
         resolve(copy, ReleaseOverrides.from_model_args(algo="blockgen", prior="absorb", block_sizes="1:8",
                                                        block_weights="0.05:0.95", tokenizer=tok))
@@ -224,8 +259,7 @@ def test_inconsistent_overrides_fail_clearly(tmp_path, tok64):
         resolve(ar, ReleaseOverrides.from_model_args(algo="mdlm", tokenizer=tok))
     model = _lm(copy, algo="blockgen", prior="absorb", block_sizes=8, tokenizer=tok).model  # consistent: loads
     assert (model.config.prior, model.config.block_sizes, model.config.causal_clean) == ("masked", (8,), False)
-    with pytest.raises(ReleaseError, match="the path names no dataset with a known tokenizer"):
-        resolve(absorb)
+    _one_line(ReleaseError, lambda: resolve(absorb), "the path names no dataset with a known tokenizer", "fix: tokenizer=<")
     with pytest.raises(ValueError, match="prior='gaussian'; choose 'masked'"):
         ReleaseOverrides.from_model_args(prior="gaussian")
     project = tmp_path / "project"  # overrides on a checkpoint of this project are refused
@@ -309,14 +343,15 @@ def test_one_run_scores_blockgen_and_the_baselines(tok64):
 
 
 @needs_fixtures
-def test_lm_eval_command_runs_a_toy_task_on_a_fixture(tmp_path, tok64):
+@pytest.mark.parametrize("fixture_set", SETS)
+def test_lm_eval_command_runs_a_toy_task_on_a_fixture(tmp_path, tokenizer_of, fixture_set):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1", "BLOCKGEN_RELEASE_CACHE": str(tmp_path / "cache")}
-    fixture = FIXTURES / "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"
+    fixture, tok = SETS[fixture_set] / MIXTURE, tokenizer_of[fixture_set]
     proc = subprocess.run(
-        [str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={fixture},tokenizer={tok64},k_mc=2",
+        [str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={fixture},tokenizer={tok},k_mc=2",
          "--tasks", "blockgen_toy_cloze,blockgen_toy_gen", "--limit", "2", "--device", "cpu", "--output_path", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, env=env, cwd="/")
+        capture_output=True, text=True, timeout=HANG_S, env=env, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(path.read_text())
@@ -344,3 +379,166 @@ def test_training_can_start_from_a_release(tok64):
     with torch.no_grad():
         _close(model.dit.forward_train(ref["input.x0"], ref["input.xt_bs8"], 8), ref["ref.train_logits_bs8"], "warm-started")
 
+
+
+# ------------------------------------------------------------------------------ the gpt2 / OWT layout from the hub path
+
+
+def _hub_copy(root: Path, subfolder: str, fixture_set: str = "released-gpt2", folder: str = MIXTURE) -> Path:
+    """A fixture copied to `root/<subfolder>`, as `huggingface-cli download --local-dir root` lays the hub out."""
+    shutil.copytree(SETS[fixture_set] / folder, root / subfolder)
+    return root / subfolder
+
+
+def _offline(monkeypatch, hub_cache: Path, release_dir: Path) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))  # no real gpt2 cached by chance
+    monkeypatch.setenv("BLOCKGEN_RELEASE_DIR", str(release_dir))
+
+
+@needs_fixtures
+def test_owt_path_reads_gpt2_and_its_layout(tmp_path, monkeypatch):
+    """`hf:jdeschena/blockgen/<owt subfolder>` reads the tokenizer `gpt2` (here a gpt2-like folder in the hub
+    cache, then the same folder as tokenizer=) and the authors' gpt2 layout: 121 rows, [MASK] = [PAD] = 120."""
+    sub = "blockgen/multi_block_size/8/owt/0.05_0.95/absorb"
+    _hub_copy(tmp_path / "hub-copy", sub)
+    _offline(monkeypatch, tmp_path / "hf-cache", tmp_path / "hub-copy")
+    spec = f"hf:jdeschena/blockgen/{sub}"
+    # Offline and gpt2 not cached: the hint is tokenizer=<dir>, which then works.
+    text = _one_line(HubUnavailableError, lambda: resolve(spec), spec, "reads the tokenizer gpt2", "fix: tokenizer=<dir>")
+    assert "make demo" not in text
+    ref = load_file(str(GPT2_FIXTURES / MIXTURE / "reference.safetensors"))
+    given = _lm(spec, tokenizer=str(GPT2_TOKENIZER))
+    snapshot = tmp_path / "hf-cache/models--gpt2/snapshots/0"  # gpt2 as the hub cache holds it
+    shutil.copytree(GPT2_TOKENIZER, snapshot)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs/main").write_text("0")
+    named = _lm(spec)
+    for lm in (given, named):
+        assert release_source(lm.checkpoint_dir) == spec
+        assert (lm.model.config.vocab_size, len(lm.tokenizer), lm.special.pad) == (120, 121, 120)  # [PAD] is the [MASK] row
+        with torch.no_grad():
+            _close(lm.model.dit.forward_train(ref["input.x0"], ref["input.xt_bs8"], 8), ref["ref.train_logits_bs8"], "owt path")
+    # The same weights under a tinygsm path: SmolLM's layout (wrapped, 122 rows) refuses them.
+    tinygsm = _hub_copy(tmp_path / "other", "blockgen/multi_block_size/8/tinygsm/0.05_0.95/absorb")
+    _one_line(ReleaseError, lambda: resolve(tinygsm, ReleaseOverrides(tokenizer=str(GPT2_TOKENIZER))),
+              "has 121 rows", "gives 122 for prior=masked", "(HuggingFaceTB/SmolLM-135M)")
+
+
+# ------------------------------------------------------------------------------ corrupted copies: one line, the fix
+
+
+@pytest.fixture
+def gpt2_copy(tmp_path) -> Path:
+    """A copy of the gpt2-layout mixture, in the release layout (its path says the setting)."""
+    return _hub_copy(tmp_path, MIXTURE)
+
+
+REFETCH = f"fix: fetch the release's files again (`huggingface-cli download jdeschena/blockgen --include '{MIXTURE}/*'"
+
+
+def _load_copy(folder: Path, **overrides):
+    return resolve(folder, ReleaseOverrides.from_model_args(tokenizer=str(GPT2_TOKENIZER), **overrides))
+
+
+@needs_fixtures
+@pytest.mark.parametrize("cut", ["truncated", "empty"])
+def test_broken_weights_name_the_file(gpt2_copy, cut):
+    weights = gpt2_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100] if cut == "truncated" else b"")
+    size = f"{weights.stat().st_size:,} bytes"
+    _one_line(ReleaseError, lambda: _load_copy(gpt2_copy), f"{weights}: truncated or corrupt safetensors file ({size}", REFETCH)
+
+
+@needs_fixtures
+@pytest.mark.parametrize("field, value, found, evidence", [
+    ("hidden_size", 128, 64, "vocab_embed.embedding [121, 64]"),
+    ("n_heads", 6, 4, "rotary_emb.inv_freq [8]: head_dim 16"),
+    ("n_blocks", 3, 2, "blocks.0 ... blocks.1"),
+    ("cond_dim", 16, 32, "sigma_map.mlp.0.weight [32, 256]"),
+])
+def test_config_sizes_that_contradict_the_weights_are_named(gpt2_copy, field, value, found, evidence):
+    config = json.loads((gpt2_copy / "config.json").read_text())
+    right = config[field]
+    (gpt2_copy / "config.json").write_text(json.dumps({**config, field: value}))
+    _one_line(ReleaseError, lambda: _load_copy(gpt2_copy), f"{gpt2_copy.resolve()}/config.json: {field} is {value}, "
+              f"but model.safetensors has {found} ({evidence}); fix: set {field} to {found}")
+    (gpt2_copy / "config.json").write_text(json.dumps({**config, field: right}))  # the fix works
+    assert _load_copy(gpt2_copy).is_dir()
+
+
+@needs_fixtures
+@pytest.mark.parametrize("damage, found", [(None, "missing"), ('{"type": "block-dit", "hidden', "not valid JSON")])
+def test_missing_or_broken_config_with_tokenizer_names_config_json(gpt2_copy, damage, found):
+    config = gpt2_copy / "config.json"
+    config.unlink() if damage is None else config.write_text(damage)
+    text = _one_line(ReleaseError, lambda: _load_copy(gpt2_copy), f"{config}: {found}", "['tokenizer'] take a release folder",
+                     REFETCH)
+    assert "checkpoint of this project" not in text
+
+
+@needs_fixtures
+@pytest.mark.parametrize("subfolder, names", [
+    ("blockgen/multi_block_size/8/tiny/0.05_0.95/Uniform", "the prior component 'Uniform' is not one of ['absorb', 'uniform']"),
+    ("blockgen/single-block-size/8/tiny/uniform", "the component 'single-block-size' after blockgen/ is not one of "
+                                                  "['single_block_size', 'multi_block_size']"),
+    ("blockgen/single_block_size/8/uniform", "the <dataset> component is missing (blockgen/single_block_size/<block size>/"
+                                             "<dataset>/<absorb|uniform>)"),
+    ("blockgen/multi_block_size/8/owt/uniform", "the <weights a_b|uniform> component is missing"),
+    ("baselines/duo", "the dataset component is missing (baselines/<dataset>/duo)"),
+])
+def test_paths_off_the_hub_naming_name_the_failing_component(tmp_path, subfolder, names):
+    folder = _hub_copy(tmp_path, subfolder, folder="blockgen/multi_block_size/8/tiny/0.05_0.95/uniform")
+    _one_line(ReleaseError, lambda: _load_copy(folder), f"{subfolder}: {names}", "the path does not follow the release layout",
+              "fix: name the folder as the hub's subfolder (`blockgen released names` lists them), or give algo=")
+    spec = f"hf:jdeschena/blockgen/{subfolder}"  # a hub path is checked before any download
+    _one_line(ReleaseError, lambda: resolve(spec), f"{spec}: {subfolder}: {names}", "fix: the hub's subfolders are listed by")
+
+
+@needs_fixtures
+def test_following_the_layout_hint_loads(tmp_path):
+    uniform = "blockgen/multi_block_size/8/tiny/0.05_0.95/uniform"
+    folder = _hub_copy(tmp_path, uniform.replace("/uniform", "/Uniform"), folder=uniform)
+    checkpoint = _load_copy(folder, algo="blockgen", prior="uniform", block_sizes="1:8", block_weights="0.05:0.95")
+    assert json.loads((checkpoint / "config.json").read_text())["prior"] == "uniform"
+
+
+@needs_fixtures
+def test_tensors_that_do_not_fit_are_named_in_the_authors_keys(gpt2_copy):
+    weights = load_file(str(gpt2_copy / "model.safetensors"))
+    weights["output_layer.linear.weight"] = weights["output_layer.linear.weight"][:120]
+    del weights["blocks.1.attn_out.weight"]
+    save_file(weights, str(gpt2_copy / "model.safetensors"))
+    _one_line(ReleaseError, lambda: _load_copy(gpt2_copy), f"{gpt2_copy.resolve()}/model.safetensors: does not fit config.json",
+              "output_layer.linear.weight is [120, 64], expected [121, 64]", "blocks.1.attn_out.weight [64, 64] is missing",
+              "fix: fetch the release's files again")
+
+
+@needs_fixtures
+def test_import_command_prints_one_line(gpt2_copy, capsys):
+    from blockgen.harness.cli import main
+
+    (gpt2_copy / "model.safetensors").write_bytes(b"")
+    assert main(["released", "import", str(gpt2_copy), "--tokenizer", str(GPT2_TOKENIZER)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("blockgen import: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "model.safetensors: truncated or corrupt safetensors file (0 bytes" in err
+
+
+def test_a_checkpoint_with_another_tokenizer_is_refused(tmp_path):
+    """Issue 28: another tokenizer (there 512 tokens) in the stored 811-token checkpoint loaded silently and wrote garbage."""
+    from blockgen.harness.tokenizer import train_bpe
+    from blockgen.tasks.blockgen_toy import training_text
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "leaderboards/ci_gsm8k/gsm-masked-mix/checkpoint", checkpoint)
+    size = len(train_bpe(training_text(400), vocab_size=512, out_dir=tmp_path / "tok512"))  # the toy text has fewer merges
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok512" / name, checkpoint / name)
+    _one_line(CheckpointError, lambda: load_checkpoint(checkpoint), f"{checkpoint}/tokenizer.json: the tokenizer has {size} tokens, "
+              "but config.json says vocab_size 811", "fix: put the tokenizer the model was trained with beside its weights")
+    _one_line(CheckpointError, lambda: _lm(checkpoint), f"the tokenizer has {size} tokens")
