@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 -m blockgen.harness.cli train --preset ci --device cpu
     blockgen demo                      # the embedded default: train and evaluate the three demo models
     blockgen sample --checkpoint DIR --prompt "..." --sampler arpc --steps 6 --ge 3
-    blockgen presets                   # list presets and their settings
+    blockgen presets                   # the presets as a table (--json: every setting)
     blockgen gpu-check                 # first run on a GPU: one JSON summary (micro size on CPU)
     blockgen prepare-data --preset owt-masked-mix   # tokenize the data once, before torchrun (same flags as train)
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
@@ -41,7 +41,7 @@ from blockgen.harness.gpu_check import GpuCheckConfig
 from blockgen.harness.leaderboard import LeaderboardError
 from blockgen.harness.page import build_page
 from blockgen.harness.plots import plot_all
-from blockgen.harness.presets import DEMO_PRESETS, PRESETS, preset
+from blockgen.harness.presets import DEMO_PRESETS, PRESETS, preset, preset_table
 from blockgen.harness.train import TrainConfig
 from blockgen.harness.train_scorer import ScorerTrainConfig
 from blockgen.harness.wordproblems import DIFFICULTIES
@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
     demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
                         help="the word-problem generator's level (default: the presets', 'easy')")
-    sub.add_parser("presets", help="list the training presets")
+    sub.add_parser("presets", help="list the training presets as a table").add_argument(
+        "--json", action="store_true", help="every setting of every preset, as one JSON object by name")
     check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU): training, generate(), lm_eval, scorers -> one JSON summary")
     add_dataclass_options(check_p, GpuCheckConfig)
     scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
@@ -236,14 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.subcommand in RUNNERS:
         return RUNNERS[args.subcommand](args)
     if args.subcommand == "presets":
-        for name, cfg in PRESETS.items():
-            print(name, json.dumps(cfg.to_dict()))
+        print(json.dumps({name: cfg.to_dict() for name, cfg in PRESETS.items()}, indent=1) if args.json else preset_table())
         return 0
     if args.subcommand == "train":
+        from blockgen.harness.checkpoint import CheckpointError
+        from blockgen.harness.hub import HubUnavailableError
         from blockgen.harness.train import train
 
-        config = config_from_args(args)
-        print(f"checkpoint: {train(config)}")
+        try:  # the errors a user's settings or files cause: one line each, naming the choices
+            print(f"checkpoint: {train(config_from_args(args))}")
+        except (ValueError, CheckpointError, HubUnavailableError) as err:
+            print(f"blockgen train: error: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.subcommand == "train-scorer":
         from blockgen.harness.train_scorer import train_scorer

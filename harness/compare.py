@@ -14,6 +14,11 @@ their folder) or the demo's results files (its ``X.samples.jsonl`` beside ``X.js
 - Gen PPL (``owt_genppl``): the difference of the token-weighted perplexities, with a paired bootstrap
   over samples (the same resampled indices for A and B; percentile interval, seeded) and the bootstrap's
   two-sided p-value. Unconditional samples are not matched by content, so pairing gains little there.
+- NLL (``owt_ppl``, the paper's table 1): the difference of the NLLs per token (``nll``, or
+  ``nll_jensen``; = log(PPL_A / PPL_B)) on the same held-out chunks, with a paired t-interval over
+  documents (Student's t, the difference's standard error by the delta method for a ratio of sums)
+  and its two-sided p-value; deterministic. The chunks are identical in A and B, so the documents'
+  own difficulty cancels.
 - Beside each: the unpaired 95 % interval, +-1.96 sqrt(se_A^2 + se_B^2), as if the runs were independent.
 """
 
@@ -227,6 +232,40 @@ def compare_gen_ppl(a: list, b: list, task: str = "", names: tuple[str, str] = (
                       diff - half, diff + half)
 
 
+# ------------------------------------------------------------------------------ NLL (owt_ppl)
+
+# owt_ppl's per-document (log-likelihood, tokens) metrics: each compared as NLL per token (log perplexity).
+NLL_METRICS = ("nll", "nll_jensen", "perplexity", "perplexity_jensen")
+
+
+def ratio_stderr(x: list[float], n: list[int]) -> float:
+    """Standard error of sum(x) / sum(n) over documents (delta method); with equal n, `mean_stderr` of x / n."""
+    ratio, mean_n = sum(x) / sum(n), sum(n) / len(n)
+    return mean_stderr([(xi - ratio * ni) / mean_n for xi, ni in zip(x, n)])
+
+
+def compare_nll(a: list, b: list, task: str = "", metric: str = "nll", names: tuple[str, str] = ("A", "B")) -> Comparison:
+    """A's NLL per token minus B's (= log(PPL_A / PPL_B)) from per-document (log-likelihood, tokens)
+    of the same documents, with a paired t-interval over documents."""
+    from scipy.stats import t
+
+    tokens = [n for _, n in a]
+    if tokens != [n for _, n in b]:
+        raise CompareError(f"metric {metric!r}: A and B scored other tokens in the same documents; compare runs of one tokenizer and length")
+    m = len(tokens)
+    if m < 2:
+        raise CompareError(f"metric {metric!r}: a paired interval needs at least 2 documents, got {m}")
+    nll_a, nll_b = [-ll for ll, _ in a], [-ll for ll, _ in b]
+    value_a, value_b = sum(nll_a) / sum(tokens), sum(nll_b) / sum(tokens)
+    diff = value_a - value_b
+    se = ratio_stderr([x - y for x, y in zip(nll_a, nll_b)], tokens)
+    half = float(t.ppf(0.975, m - 1)) * se
+    p = float(2 * t.sf(abs(diff) / se, m - 1)) if se > 0 else float(diff == 0)
+    unpaired = Z95 * math.hypot(ratio_stderr(nll_a, tokens), ratio_stderr(nll_b, tokens))
+    return Comparison(task, metric, names[0], names[1], m, value_a, value_b, diff, diff - half, diff + half, p,
+                      f"paired t-interval over documents, {m - 1} degrees of freedom", diff - unpaired, diff + unpaired)
+
+
 # ------------------------------------------------------------------------------ the command
 
 
@@ -234,29 +273,39 @@ def compare(path_a: str, path_b: str, metric: str | None = None, task: str | Non
     a = load_samples(path_a, task)
     b = load_samples(path_b, task or a.task)
     if metric is None:
-        metric = "gen_ppl" if "gen_ppl" in next(iter(a.records.values())) else "exact_match"
+        first = next(iter(a.records.values()))
+        metric = next((m for m in ("gen_ppl", "nll") if m in first), "exact_match")
     _, va, vb = paired(a, b, metric)
     if metric == "gen_ppl":
         return compare_gen_ppl(va, vb, a.task, (a.path, b.path))
+    if metric in NLL_METRICS:
+        return compare_nll(va, vb, a.task, metric, (a.path, b.path))
     return compare_accuracy(va, vb, a.task, metric, (a.path, b.path))
 
 
 def format_comparison(c: Comparison) -> str:
-    pct = c.metric != "gen_ppl"
+    nll = c.metric in NLL_METRICS
+    pct = c.metric != "gen_ppl" and not nll
+    digits = 4 if nll else 3
 
     def v(x: float) -> str:
-        return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+        return f"{100 * x:.1f}%" if pct else f"{x:.{digits}f}"
 
     def d(x: float) -> str:
-        return f"{100 * x:+.1f}" if pct else f"{x:+.3f}"
+        return f"{100 * x:+.1f}" if pct else f"{x:+.{digits}f}"
 
-    unit = " points" if pct else ""
-    lines = [f"{c.task} {c.metric}, {c.n} {'problems' if pct else 'samples'} paired",
+    unit = " points" if pct else " nats/token" if nll else ""
+    noun = "problems" if pct else "documents" if nll else "samples"
+    lines = [f"{c.task} {c.metric}, {c.n} {noun} paired",
              f"  A  {v(c.value_a):>8}  {c.a}", f"  B  {v(c.value_b):>8}  {c.b}"]
     if c.counts:
         k = c.counts
         lines.append(f"  both right {k['both']}, A only {k['a_only']}, B only {k['b_only']}, both wrong {k['neither']}")
     lines.append(f"  A - B = {d(c.difference)}{unit}, 95% interval {d(c.low)}..{d(c.high)} (paired), p = {c.p_value:.2g}")
+    if nll:
+        ratio = "..".join(f"{math.exp(x):.4f}" for x in (c.low, c.high))
+        lines.append(f"  perplexity A {math.exp(c.value_a):.3f}, B {math.exp(c.value_b):.3f}: "
+                     f"A / B = {math.exp(c.difference):.4f}, 95% interval {ratio}")
     lines.append(f"  unpaired 95% interval, as if independent: {d(c.unpaired_low)}..{d(c.unpaired_high)}")
     lines.append(f"  {'resolved' if c.resolved else 'not resolved'} at 95% ({c.method})")
     return "\n".join(lines)

@@ -381,10 +381,13 @@ def _task_settings(info: dict, report: dict, output_type: str | None, wall: floa
     tokens = gen.get("generated_tokens")
     # Decoding speed: the time inside the sampler when the adapter measured it, else the whole run.
     seconds = _number(gen.get("generate_seconds")) or wall
+    # Some answers came from lm-eval's --use_cache without the usage stored with them: the count covers
+    # only the requests that reached the model (calls per block and tokens/s, rates, still hold).
+    partial = gen.get("answered_from_cache") and not gen.get("usage_from_cache")
     return dict(
         sampler=s.get("sampler"), steps=s.get("steps"), ge=s.get("ge"), warmup=s.get("warmup"),
         temperature=_number(s.get("temperature")), block_size=s.get("block_size"), nfe_per_block=nfe,
-        model_calls_per_block=_number(calls), total_calls=gen.get("model_calls"),
+        model_calls_per_block=_number(calls), total_calls=None if partial else gen.get("model_calls"),
         tokens_per_s=tokens / seconds if tokens is not None and seconds else None,
     )
 

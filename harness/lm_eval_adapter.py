@@ -107,6 +107,12 @@ class BlockGenLMArgs:
     # matmuls during this model's calls (opt-in: not measured on a GPU; docs/lm_eval.md, "Evaluation cost and precision").
     dtype: str = "float32"
     tf32: bool = False
+    # Each row computed as a batch of one, so a score or a text is bit for bit the same whatever
+    # --batch_size and the other rows (`generate`'s batch_invariant). None: log-likelihoods on a CPU
+    # only (1.0-1.45x their batched cost there); generation stays batched (row by row costs it 3-12x
+    # at batch 8-32 on a CPU, and about batch-size times the calls on CUDA, where a call costs about the
+    # same at batch 1 and 64): docs/lm_eval.md, "Batch invariance".
+    batch_invariant: bool | None = None
     # Released checkpoints only (harness/released.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
@@ -144,8 +150,9 @@ class BlockGenLMArgs:
             raise ValueError(f"temperature={args.temperature!r}; must be a number")
         if not isinstance(args.add_bos, bool):
             raise ValueError(f"add_bos={args.add_bos!r}; must be true or false")
-        if not isinstance(args.tf32, bool):
-            raise ValueError(f"tf32={args.tf32!r}; must be true or false")
+        for name in ("tf32", "batch_invariant"):
+            if getattr(args, name) is not None and not isinstance(getattr(args, name), bool):
+                raise ValueError(f"{name}={getattr(args, name)!r}; must be true or false")
         args = replace(args, dtype=check_dtype(args.dtype))
         temperature = None if args.temperature is None else float(args.temperature)
         return replace(args, pretrained=str(args.pretrained), temperature=temperature)
@@ -263,13 +270,18 @@ class _KeepARLogits:
 
 
 @torch.no_grad()
-def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: int, pad_id: int) -> list[WindowScore]:
+def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: int, pad_id: int,
+                  batch_invariant: bool = False) -> list[WindowScore]:
     """The bounds of a batch of windows; each window's result is that of the window scored alone.
 
     Each window runs at its own length (the batch is padded, the padding invisible: `valid`) and
     draws from its own `PositionalRowGenerators` row: `BlockGen.nll_bounds` on the unpadded window
-    with that generator gives the same numbers.
+    with that generator gives the same numbers, up to float rounding that depends on the batch's
+    shapes (~1e-7 relative). `batch_invariant=True` scores each window as a batch of one, unpadded:
+    the same numbers bit for bit whatever the batch.
     """
+    if batch_invariant and len(batch) > 1:
+        return [score_windows(model, [w], [s], k_mc, pad_id)[0] for w, s in zip(batch, seeds)]
     device = next(model.parameters()).device
     sizes, weights = model.mixture.sizes, model.mixture.weights
     width = max(len(w.tokens) for w in batch)
@@ -353,11 +365,16 @@ def seed_disagreement(scores: Sequence[RequestScore]) -> float:
 
 # ------------------------------------------------------------------ what a run actually used
 
+# The request types lm-eval's --use_cache (its CachingLM) can answer without the model.
+CACHED_REQUEST_TYPES = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
 
 class Usage:
     """What a run really did, per task: requests and truncation, generation settings and model calls,
     Monte Carlo error of the log-likelihoods. Merged across torchrun ranks and reported under
     ``config.blockgen.tasks`` of the results JSON (`report`; the key names are listed in docs/lm_eval.md).
+    For answers lm-eval's --use_cache gave, the record stored by the run that computed them
+    (`BlockGenLM._settle_cache`).
     """
 
     COUNTS = ("requests", "truncated_requests", "truncated_tokens")
@@ -369,6 +386,9 @@ class Usage:
         self.stderr: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(dict)  # doc -> per request
         self.disagreement: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)  # doc -> probability
         self.k_mc: int | None = None
+        # lm-eval's --use_cache answers requests without calling the model (`BlockGenLM._settle_cache`)
+        self.cached: Counter = Counter()  # (task, request type) -> requests answered from the cache
+        self.stored: set[str] = set()  # tasks whose figures are the ones stored with their cached answers
 
     def request(self, task: str, kind: str, dropped: int) -> None:
         self.counts[task, kind].update(requests=1, truncated_requests=int(dropped > 0), truncated_tokens=dropped)
@@ -396,6 +416,16 @@ class Usage:
                 for key, by_doc in theirs.items():
                     mine[key].update(by_doc)
             out.k_mc = part.k_mc or out.k_mc
+            out.cached.update(part.cached)
+            out.stored |= part.stored
+        return out
+
+    def only(self, task: str) -> "Usage":
+        """The figures of one task (what `_settle_cache` stores beside lm-eval's cache)."""
+        out = Usage()
+        for name in ("counts", "generation", "stderr", "disagreement"):
+            getattr(out, name).update({key: value for key, value in getattr(self, name).items() if key[0] == task})
+        out.k_mc = self.k_mc
         return out
 
     def report(self) -> dict[str, dict[str, dict]]:
@@ -420,6 +450,9 @@ class Usage:
                 "expected_seed_disagreement": statistics.fmean(disagreement) if disagreement else None,
                 "mc_stderr_by_doc": dict(sorted(by_doc.items(), key=lambda item: _doc_order(item[0]))),
             })
+        for (task, kind), n in sorted(self.cached.items()):
+            entry = out[task].setdefault(kind, {name: 0 for name in self.COUNTS})
+            entry.update(answered_from_cache=n, usage_from_cache=task in self.stored)
         return dict(out)
 
 
@@ -452,6 +485,9 @@ class BlockGenLM(TemplateLM):
     # Seed a log-likelihood window by its context only (common random numbers across the choices of
     # one context). False seeds it by the whole window: bench/bench_mc_noise.py measures both.
     common_random_numbers = True
+    # --use_cache: lm-eval's cache file (`set_cache_hook`, until `_settle_cache`) and the run's tasks (`check_tasks`)
+    _cache_file: str | None = None
+    _cache_tasks: dict | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
@@ -563,6 +599,14 @@ class BlockGenLM(TemplateLM):
         log.info("blockgen: --batch_size auto -> %d", size)
         return size
 
+    @property
+    def batch_invariant(self) -> dict[str, bool]:
+        """Per kind of request, whether rows run one by one (the `batch_invariant` model argument;
+        unset: log-likelihoods on a CPU only)."""
+        chosen = self.args.batch_invariant
+        return {"likelihood": self._device.type != "cuda" if chosen is None else chosen,
+                "generation": bool(chosen)}
+
     def _precision(self):
         """The context of every model call: the `dtype` and `tf32` model arguments (harness/precision.py)."""
         return compute_precision(self._device, self.args.dtype, self.args.tf32)
@@ -623,10 +667,48 @@ class BlockGenLM(TemplateLM):
             autocommit = db.autocommit
             db.close()
             db.__init__(db.filename, tablename=self.tokenizer_name, autocommit=autocommit)
+        if db is not None:
+            self._cache_file = db.filename
         super().set_cache_hook(cache_hook)
+
+    def _settle_cache(self) -> None:
+        """Once, after the requests ran: the usage of answers lm-eval's --use_cache gave without the model.
+
+        A task whose requests all reached the model stores its `Usage` beside the answers (table
+        ``usage-<fingerprint>``, keyed by the task and lm-eval's keys of its requests); a task answered
+        wholly from the cache reports the usage so stored, so that its leaderboard rows (block size,
+        calls, tokens/s) are those of the run that computed the answers. Either way the report counts
+        the requests answered from the cache (`Usage.cached`).
+        """
+        path, self._cache_file = self._cache_file, None
+        if path is None or not self._cache_tasks:
+            return
+        from lm_eval.api.model import hash_args
+        from sqlitedict import SqliteDict
+
+        with SqliteDict(path, tablename=f"usage-{self.tokenizer_name}", autocommit=True) as db:
+            for name, task in self._cache_tasks.items():
+                cacheable = [i for i in task.instances or [] if i.request_type in CACHED_REQUEST_TYPES]
+                if not cacheable:  # e.g. owt_ppl's loglikelihood_windows, never cached
+                    continue
+                key = hash_args(name, sorted(hash_args(i.request_type, i.args) for i in cacheable))
+                asked: Counter = Counter()
+                for i in cacheable:
+                    asked[i.request_type] += i.repeats
+                # the requests that reached the model (torchrun's padding copies can make it more)
+                ran = {kind: self.usage.counts.get((name, kind), Counter())["requests"] for kind in asked}
+                cached = {(name, kind): n - ran[kind] for kind, n in asked.items() if n > ran[kind]}
+                if not cached:
+                    db[key] = self.usage.only(name)
+                    continue
+                if not any(ran.values()) and key in db:
+                    self.usage = Usage.merge([self.usage, db[key]])
+                    self.usage.stored.add(name)
+                self.usage.cached.update(cached)
 
     def get_model_info(self) -> dict[str, Any]:
         cfg = self.config
+        self._settle_cache()
         usage = Usage.merge(self._usage_by_rank) if self._usage_by_rank else self.usage
         return {
             # a released model is named by its source (hf:jdeschena/blockgen/<subfolder>), not the cache
@@ -644,7 +726,10 @@ class BlockGenLM(TemplateLM):
                 "add_bos": self.args.add_bos,
                 "dtype": self.args.dtype,
                 "tf32": self.args.tf32,
-                "sampler": {**asdict(self.sampler), "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
+                "batch_invariant": self.batch_invariant,
+                # block size as used (None asks for the largest): rows of tasks without usage still name it
+                "sampler": {**asdict(self.sampler), "block_size": resolve_block_size(cfg, self.sampler),
+                            "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
                 "batch_size": self._batch_size,  # the size used, also when --batch_size auto chose it
                 "fingerprint": self.fingerprint,
@@ -660,6 +745,7 @@ class BlockGenLM(TemplateLM):
         from lm_eval.evaluator_utils import _handle_back_comp
 
         tasks = task_dict["tasks"] if "tasks" in task_dict else _handle_back_comp(task_dict)[1]
+        self._cache_tasks = tasks  # their requests, once built, are what --use_cache answered (`_settle_cache`)
         for name, task in tasks.items():
             config = getattr(task, "config", None)
             if config is None:
@@ -683,7 +769,8 @@ class BlockGenLM(TemplateLM):
         for batch in collator.get_batched(n=self.batch_size):
             ws, ss = zip(*batch)
             with self._precision():
-                out.extend(score_windows(self.model, list(ws), list(ss), self.args.k_mc, self.special.pad))
+                out.extend(score_windows(self.model, list(ws), list(ss), self.args.k_mc, self.special.pad,
+                                         self.batch_invariant["likelihood"]))
             bar.update(len(batch))
         bar.close()
         return collator.get_original(out)
@@ -868,7 +955,8 @@ class BlockGenLM(TemplateLM):
             start = time.perf_counter()
             with self._precision():
                 result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
-                                  stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans])
+                                  stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans],
+                                  batch_invariant=self.batch_invariant["generation"])
             self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):
@@ -900,6 +988,7 @@ class BlockGenLM(TemplateLM):
             return [obj]
         import torch.distributed as dist
 
+        self._settle_cache()  # each rank has its own cache file
         gathered = [None] * self.world_size if self.rank == dst else None
         dist.gather_object((obj, self.usage), gathered, dst=dst)
         if gathered is None:

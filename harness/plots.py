@@ -2,8 +2,8 @@
 
 - accuracy vs NFE per block, one line per sampler and prior with +-1 standard error, one panel per
   temperature, the accuracy axis scaled to the data (not from 0), one figure per (task, generation
-  block size): the paper's figures 1-2 (best variant per NFE; AR as horizontal lines with a +-1 s.e.
-  band, since it has no NFE per block);
+  block size): the paper's figures 1-2 (best variant per NFE; the AR model as horizontal lines with a
+  +-1 s.e. band, since it has no NFE per block: greedy, and sampled at the panel's temperature);
 - generative perplexity vs unigram entropy, one curve per model and sampler setting across
   temperatures: the paper's figure 3;
 - the speed-quality frontier, one figure per (task, model) with measured decoding speed: accuracy
@@ -52,7 +52,9 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
 
     written = []
     diffusion = best_per_nfe(df[~df.sampler.isin(AR_SAMPLERS) & df.nfe_per_block.notna()])
-    ar = df[df.sampler.isin(AR_SAMPLERS)]
+    # The AR reference is the AR model's (trained on block size 1 alone; unrecorded: another lm-eval
+    # model type), not a mixture decoded at block size 1.
+    ar = df[df.sampler.isin(AR_SAMPLERS) & df.block_sizes.map(lambda b: not isinstance(b, (list, tuple)) or list(b) == [1])]
     for (task, block), group in diffusion.groupby(["task", "block_size"], dropna=False):
         temps = sorted(group.temperature.dropna().unique(), reverse=True) or [None]
         fig, axes = plt.subplots(1, len(temps), figsize=(max(5.2 * len(temps), 7.5), 4.2), squeeze=False, sharey=True)
@@ -66,10 +68,12 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
                             linestyle="-" if prior == "masked" else "--", linewidth=1 if published else 2,
                             alpha=0.45 if published else 1.0, markersize=3 if published else 5,
                             label=f"{sampler} {prior}" + (" (paper)" if published else ""))
-            for (published, sampler), line in ar[ar.task == task].groupby(["published", "sampler"]):
+            # at the panel's temperature; greedy reads none, and the paper states none for its AR rows
+            same_t = (ar.sampler == "ar_greedy") | ar.temperature.isna() | (temp is None) | (ar.temperature == temp)
+            for (published, model, sampler), line in ar[(ar.task == task) & same_t].groupby(["published", "model", "sampler"]):
                 best = line.loc[line.value.idxmax()]
                 ax.axhline(100 * best.value, color=COLORS[sampler], linestyle=":", linewidth=1,
-                           alpha=0.45 if published else 1.0, label=f"AR {sampler.removeprefix('ar_')}" + (" (paper)" if published else ""))
+                           alpha=0.45 if published else 1.0, label=f"{model} {sampler}" + (" (paper)" if published else ""))
                 if not published and pd.notna(best.stderr):  # a band of +- 1 s.e.
                     ax.axhspan(100 * (best.value - best.stderr), 100 * (best.value + best.stderr), color=COLORS[sampler], alpha=0.08)
             ax.set_xscale("log", base=2)

@@ -1,6 +1,7 @@
 """The training presets: one registry of named `TrainConfig`s, apart from the training loop.
 
-- `PRESETS`: every preset by name (`blockgen train --preset NAME`, `blockgen presets` lists them);
+- `PRESETS`: every preset by name (`blockgen train --preset NAME`, `blockgen presets` lists them as a
+  table, `preset_table`; `--json`: every setting);
   `preset(name, **overrides)` returns one with some fields replaced.
 - The demo's presets (`gsm-*`, `DEMO_PRESETS`) and where `blockgen demo` warm-starts them (`WARM_STARTS`).
 - The paper's models as `VARIANTS` (a prior and a block-size mixture each) crossed with each
@@ -126,6 +127,17 @@ BENCHMARKS: dict[str, tuple[TrainConfig, tuple[str, ...]]] = {
 PRESETS.update(
     {f"{bench}-{v}": VARIANTS[v].config(base, f"{bench}-{v}") for bench, (base, variants) in BENCHMARKS.items() for v in variants}
 )
+
+
+def preset_table(presets: dict[str, TrainConfig] = PRESETS) -> str:
+    """`blockgen presets`: one line per preset, the settings that tell presets apart (all: `--json`)."""
+    header = ("name", "prior", "block sizes", "weights", "arch", "size", "L", "batch", "steps", "lr", "data")
+    rows = [(name, "-" if c.architecture == "ar" else c.prior, " ".join(map(str, c.block_sizes)),
+             " ".join(f"{w:g}" for w in c.block_weights), c.architecture, c.size, str(c.seq_len), str(c.batch_size),
+             str(c.max_steps), f"{c.lr:g}", c.data.source) for name, c in presets.items()]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in (header, *rows)]
+    return "\n".join(lines + ["(every setting of every preset: blockgen presets --json)"])
 
 
 def preset(name: str, **overrides) -> TrainConfig:

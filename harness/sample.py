@@ -22,7 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from blockgen.harness.checkpoint import checkpoint_special_tokens, load_checkpoint
+from blockgen.harness.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
+from blockgen.harness.distributed import resolve_device
+from blockgen.harness.hub import HubUnavailableError
 from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
 
 
@@ -49,7 +51,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="grid: blocks on the training grid, the prompt's tail inside the first block; "
                         "prompt_end: a whole block right after the prompt")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (the GPU when there is one)")
     p.add_argument("--out", type=Path, help="write the samples as JSON lines")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no printed samples")
 
@@ -66,15 +68,13 @@ def run(args: argparse.Namespace) -> int:
             name=args.sampler, steps=args.steps, ge=args.ge, warmup=args.warmup, temperature=args.temperature,
             block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
         )
-        from blockgen.harness.released import ReleaseError, ReleaseOverrides, resolve
+        from blockgen.harness.released import ReleaseOverrides, resolve
 
-        try:
-            checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
-        except ReleaseError as err:
-            raise ValueError(str(err)) from None
-        model, tokenizer = load_checkpoint(checkpoint, device=args.device)
+        device = resolve_device(args.device)  # a device this machine lacks: the policy's message, before any loading
+        checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
+        model, tokenizer = load_checkpoint(checkpoint, device=device)
         check_config(model, config)
-    except ValueError as err:
+    except (ValueError, CheckpointError, HubUnavailableError) as err:  # releases' errors are CheckpointErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
     special = checkpoint_special_tokens(model, tokenizer)

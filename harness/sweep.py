@@ -14,10 +14,11 @@ temperature: it runs at the grid's first one).
 Per checkpoint the process loads the model once and evaluates every setting on it through lm-eval's
 Python API (`lm_eval.simple_evaluate`), switching the sampler with `BlockGenLM.with_settings`; the torch
 random state at each setting's start is the one a fresh `lm_eval` process would have, so a setting's
-results equal the per-process command's. Each setting writes its own lm-eval results and samples
+results equal the per-process command's; `--seed S` seeds as `lm_eval --seed S` does (recorded in the
+results; another seed is another result, not skipped). Each setting writes its own lm-eval results and samples
 (``--log_samples``: per-problem / per-sample outcomes) under ``<out-dir>/<model run>/<setting>/``,
 the folders the per-process Makefile used; a rerun skips a setting whose results record the same
-setting, checkpoint hash, limit and task metadata. Under torchrun the settings run data parallel
+setting, checkpoint hash, limit, task metadata and seed. Under torchrun the settings run data parallel
 (rank 0 writes). The demo's grid (`demo`) is in the same registry; `blockgen demo` runs it on its own
 worker pool (harness/demo.py imports `demo_samplers`).
 
@@ -40,7 +41,7 @@ from typing import Any
 from blockgen.harness.distributed import ranks_from_env
 from blockgen.harness.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
 from blockgen.harness.precision import DTYPES, check_dtype
-from blockgen.harness.presets import preset
+from blockgen.harness.presets import PRESETS, preset
 from blockgen.harness.sampler_grid import Variant
 
 LIKELIHOOD = "likelihood"
@@ -238,13 +239,18 @@ class SweepConfig:
     # to folders named with it (`Setting.label`), so they never mix with float32 results
     dtype: str = "float32"
     tf32: bool = False
+    seed: int | None = None  # lm_eval's --seed (`lm_eval_seeds`); None: lm-eval's defaults
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)
         if self.models is not None:
-            unknown = sorted(set(self.models) - set(g.models))
-            if unknown and g.released:
-                raise ValueError(f"grid {self.grid} has no models {unknown}; choose from {list(g.models)}")
+            def runnable(m: str) -> bool:  # outside the grid: a preset (owt's blockgen-b1) or a run trained under --runs
+                return not g.released and (g.run_name(m) in PRESETS or (Path(checkpoint_of(g, m, self.runs)) / "config.json").is_file())
+
+            unknown = sorted(m for m in self.models if m not in g.models and not runnable(m))
+            if unknown:
+                others = "" if g.released else f"; or a preset or a run under {self.runs} named {g.run_name('MODEL')}"
+                raise ValueError(f"grid {self.grid} has no models {unknown}; choose from {list(g.models)}{others}")
             g = replace(g, models=tuple(self.models))
         for name in ("temperatures", "limit", "k_mc", "batch_size"):
             if getattr(self, name) is not None:
@@ -273,11 +279,22 @@ def _results_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*/results_*.json")) if folder.is_dir() else []
 
 
-def _mark(s: Setting, g: Grid, sha: str, metadata: dict) -> dict:
+def _mark(s: Setting, g: Grid, sha: str, metadata: dict, seed: int | None = None) -> dict:
     """What a results file must record to stand for a setting: the setting (model arguments and task),
-    the checkpoint's hash, the limit and the sweep's task metadata (scorer, sample count, ...)."""
+    the checkpoint's hash, the limit, the sweep's task metadata (scorer, sample count, ...) and seed."""
     return {"setting": s.key(g.k_mc), "checkpoint_sha": sha, "limit": g.limit,
-            "metadata": json.loads(json.dumps(metadata, sort_keys=True))}
+            "metadata": json.loads(json.dumps(metadata, sort_keys=True)), "seed": seed}
+
+
+def lm_eval_seeds(seed: int | None) -> dict[str, int]:
+    """`simple_evaluate`'s seeds as `lm_eval --seed` sets them: one integer for python's random, numpy,
+    torch and few-shot sampling, or (None) lm-eval's defaults."""
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    names = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    if seed is None:
+        return dict(zip(names, (DEFAULT_RANDOM_SEED, DEFAULT_OTHER_SEED, DEFAULT_OTHER_SEED, DEFAULT_OTHER_SEED)))
+    return dict.fromkeys(names, seed)
 
 
 def _done(folder: Path, mark: dict) -> bool:
@@ -340,14 +357,14 @@ def _task_manager(metadata: dict):
     return TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
 
 
-def _load_model(setting: Setting, g: Grid, device: str):
+def _load_model(setting: Setting, g: Grid, device: str, seed: int | None = None):
     """The model as a fresh `lm_eval` process builds it (seeded first), and the torch random state after."""
     import torch
-    from lm_eval.defaults import DEFAULT_OTHER_SEED
 
     from blockgen.harness.lm_eval_adapter import BlockGenLM
 
-    torch.manual_seed(DEFAULT_OTHER_SEED)  # what a fresh `lm_eval` process seeds torch with before building it
+    # what a fresh `lm_eval --seed` process seeds torch with before building it (the adapter's seed)
+    torch.manual_seed(lm_eval_seeds(seed)["torch_random_seed"])
     lm = BlockGenLM(pretrained=setting.checkpoint, k_mc=g.k_mc, batch_size=g.batch_size, device=device)
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     return lm, (torch.get_rng_state(), cuda)
@@ -368,6 +385,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     if config.dry_run:
         dry_run(g, todo, metadata=config.metadata)
         return SweepReport(settings=len(todo))
+    _require_checkpoints(g, todo)
     import blockgen.lm_eval
     from blockgen.harness import scorers
     from blockgen.harness.checkpoint import checkpoint_hash
@@ -386,7 +404,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         for checkpoint, group in by_checkpoint.items():
             group = [replace(s, checkpoint=str(_resolved(s.checkpoint, g))) for s in group]
             sha = checkpoint_hash(group[0].checkpoint)
-            pending = [s for s in group if not _done(root / s.run / s.label, _mark(s, g, sha, config.metadata))]
+            pending = [s for s in group if not _done(root / s.run / s.label, _mark(s, g, sha, config.metadata, config.seed))]
             report.skipped += len(group) - len(pending)
             if bar is None:
                 bar = tqdm(total=len(todo), desc="blockgen sweep", unit="setting",
@@ -394,12 +412,12 @@ def run_sweep(config: SweepConfig) -> SweepReport:
             bar.update(len(group) - len(pending))
             if not pending:
                 continue
-            lm, rng = _load_model(group[0], g, config.device)
+            lm, rng = _load_model(group[0], g, config.device, config.seed)
             report.model_loads += 1
             lm.barrier()  # every rank decided what to skip before rank 0 writes anything
             for s in pending:
                 bar.set_postfix_str(f"{s.run} {s.label}", refresh=True)
-                _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device)
+                _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device, config.seed)
                 report.ran += 1
                 bar.update(1)
             del lm
@@ -413,6 +431,22 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     return report
 
 
+def _require_checkpoints(g: Grid, todo: list[Setting]) -> None:
+    """Every checkpoint of the sweep is there before the first model loads: a missing one is a model
+    not trained yet, said in one line with the command that trains it."""
+    if g.released:  # releases are fetched and converted when they load
+        return
+    missing = list(dict.fromkeys(s.checkpoint for s in todo if not (Path(s.checkpoint) / "config.json").is_file()))
+    if not missing:
+        return
+    first = next(s for s in todo if s.checkpoint == missing[0])
+    more = f" (and {len(missing) - 1} more of the grid's models)" if len(missing) > 1 else ""
+    make = "make demo, which trains them into runs/demo" if g.demo else \
+        f"make train-{g.benchmark}{' OFFLINE=1' if g.offline else ''}, which trains the grid's models"
+    raise ValueError(f"no checkpoint in {missing[0]}{more}: train first: blockgen train --preset {first.run} "
+                     f"--out-dir {Path(missing[0]).parent} (or {make})")
+
+
 def _resolved(checkpoint: str, g: Grid) -> Path | str:
     """A release converted once into a checkpoint folder (the tasks read `pretrained` from their metadata)."""
     if not g.released:
@@ -422,9 +456,8 @@ def _resolved(checkpoint: str, g: Grid) -> Path | str:
     return resolve(checkpoint)
 
 
-def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str) -> None:
+def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str, seed: int | None = None) -> None:
     from lm_eval import simple_evaluate
-    from lm_eval.defaults import DEFAULT_OTHER_SEED
     from lm_eval.loggers import EvaluationTracker
 
     args = s.model_args(g.k_mc)
@@ -433,16 +466,17 @@ def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device
         metadata = pool.metadata_for(s.task, metadata)
     tracker = EvaluationTracker(output_path=str(folder))
     _restore(rng)  # the random state a fresh process has when it starts evaluating
+    seeds = lm_eval_seeds(seed)
     results = simple_evaluate(
         model=lm.with_settings(**args), model_args=args, tasks=[s.task], batch_size=g.batch_size, device=device,
         limit=g.limit, log_samples=True, evaluation_tracker=tracker, task_manager=_task_manager(metadata),
-        torch_random_seed=None, metadata=None)
+        **{**seeds, "torch_random_seed": None}, metadata=None)  # torch: seeded before the model was built
     if results is None:  # ranks other than 0
         return
     # What the `lm_eval` command records for the same run (it names the model type, not the class).
-    results["config"].update(model="blockgen", torch_seed=DEFAULT_OTHER_SEED)
+    results["config"].update(model="blockgen", torch_seed=seeds["torch_random_seed"])
     tracker.general_config_tracker.model_source = "blockgen"
-    results["blockgen_sweep"] = {**_mark(s, g, lm.checkpoint_hash, pool.metadata), "label": s.label}
+    results["blockgen_sweep"] = {**_mark(s, g, lm.checkpoint_hash, pool.metadata, seed), "label": s.label}
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     for name in results["configs"]:
@@ -469,6 +503,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                         help="matmul precision of every setting (bfloat16: autocast; default float32)")
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (opt-in: not measured on a GPU)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="as lm_eval's --seed: python, numpy, torch and few-shot seeds (default: lm-eval's 0,1234,1234,1234)")
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -478,7 +514,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(grid=args.grid, runs=args.runs, out_dir=args.out_dir, models=tup(args.models),
                        temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
                        device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress,
-                       dtype=args.dtype, tf32=args.tf32)
+                       dtype=args.dtype, tf32=args.tf32, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:

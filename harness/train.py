@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save, save_checkpoint
 from blockgen.harness.data import DataConfig, Examples, current_names
-from blockgen.harness.distributed import DEFAULT_TIMEOUT_S, Distributed, setup_distributed
+from blockgen.harness.distributed import DEFAULT_TIMEOUT_S, Distributed, ranks_from_env, resolve_device, setup_distributed
 from blockgen.harness.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
 from blockgen.harness.prepare import ensure_prepared, load_prepared
 from blockgen.harness.tokenizer import special_tokens
@@ -383,14 +383,16 @@ def _slot_batches(n_examples: int, step: int, batch: int, seed: int) -> torch.Te
 
 def train(config: TrainConfig, progress: bool = True) -> Path:
     """Train (or resume) a model; returns the checkpoint directory."""
+    # Settings that cannot run here fail now, before hours of data preparation and before out_dir exists.
+    ranks = ranks_from_env()
+    resolve_device(config.device, ranks)
+    config.grad_accum(ranks.world_size)
     # The data cache first, before any process group: preparing it may take hours (`ensure_prepared`).
     prepared = ensure_prepared(config.data, config.seq_len)
     d = setup_distributed(config.device, config.dist_timeout_s)
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     out = Path(config.out_dir)
     ckpt_dir = out / "checkpoint"
-    if d.is_main:
-        out.mkdir(parents=True, exist_ok=True)
     # Every rank reads the prepared cache (memory-mapped) and the tokenizer saved with it: no hub access.
     tokenizer, train_data, val_data, data_info = load_prepared(prepared, config.data.n_val)
     special = special_tokens(tokenizer).to_dict()
@@ -417,6 +419,8 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
         step = state["step"]
+        if d.is_main:
+            print(f"resuming from step {step} of {ckpt_dir}", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else None
     # through DDP's __call__ (when distributed), so that backward all-reduces gradients
     net = ddp if ddp is not None else model
@@ -438,6 +442,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     flops_per_step = training_flops_per_step(model_config, config.batch_size)
     peak = peak_flops(str(d.device), config.peak_tflops)
     if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before this leaves no empty folder
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
         keep_records_up_to(log_path, step)  # a killed run may have logged steps after its last checkpoint
     bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.is_main), desc=out.name, dynamic_ncols=True)

@@ -33,19 +33,20 @@ Samplers (`SamplerConfig.name`):
   k = max(1, round((1 - alpha_s) n)) with n the positions the block generates (L'; fewer in a grid
   layout's first block), and k = 0 at the last step (s = 0), as in the authors' implementation:
   at any s > 0 the block keeps at least one noisy token, so the corrector never ends a block early.
-  The scores use the tempered distributions. Ties in the score go to the lower position.
+  The scores use the tempered distributions, rounded to a grid of 2^-13 (`SCORE_GRID`) before
+  ranking; ties go to the lower position.
 - `ar_greedy` / `ar_sample`: autoregression at block size 1, one token per model call.
 Temperature divides the logits before normalisation, for diffusion and AR passes alike (greedy AR
 ignores it). Categorical draws are float64 (`sample_categorical`).
 
 Randomness. Row i of a batch draws everything (prior samples, posterior draws, proposals,
 re-noising) from its own generator (`diffusion.RowGenerators`), seeded `seeds[i]` when `generate`
-is given `seeds`, else `config.seed + i`. With `seeds`, a row's text is the same alone or in any
-batch. Only float rounding that depends on the batch shape (~1e-7 in the logits) can still change
-it: a uniform landing that close to a boundary of an inverse-CDF draw, or two informed-step scores
-that close to each other at the cut. Measured on random micro models (nearly flat scores): 2 of
-1,024 row samples differed, both from one near-tie of two EIPC entropies; on the demo checkpoint
-none of 3 x 64 (ARPC, EIPC, ancestral).
+is given `seeds`, else `config.seed + i`. With `seeds` and `batch_invariant=True`, a row's text is
+bit for bit the same alone or in any batch: each row runs as a batch of one, so the network sees the
+same shapes and the CPU's kernels round the same way. Batched (`batch_invariant=False`), float
+rounding that depends on the batch shape (~1e-7 in the logits) can still change a row: a uniform
+landing that close to a boundary of an inverse-CDF draw, or two informed-step scores that close to
+each other at the cut (measured on random micro models: 2 of 1,024 row samples differed).
 
 Layout of the calls (see `attention.allowed`). Block ids are positions, in a way that reproduces
 the training layout: a noisy block starting at position p has block id p (so it sees every clean
@@ -401,8 +402,15 @@ def ancestral_step(prior: Prior, z: torch.Tensor, x_probs: torch.Tensor, alpha_t
     return sample_categorical(prior.posterior(z, x_probs, alpha_t, alpha_s), generator)
 
 
+# Informed-step scores are ranked on this grid (2^-13 nats, exact in binary floating point): scores that
+# differ by float noise only (~1e-7: confident tokens' entropies near 0, kernels that round differently
+# by CPU or batch shape) tie exactly and go to the lower position instead of to the noise.
+SCORE_GRID = 2.0**-13
+
+
 def _lowest(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Boolean (B, n): the k[b] lowest scores of each row b; ties go to the lower position."""
+    """Boolean (B, n): the k[b] lowest scores of each row b, compared on `SCORE_GRID`; ties go to the lower position."""
+    score = torch.round(score / SCORE_GRID)
     order = score.argsort(dim=-1, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order))
     return rank < k[:, None]
@@ -494,6 +502,7 @@ def generate(
     validate: bool = True,
     progress: Callable[[int], None] | None = None,
     trace: Callable[[int, int, torch.Tensor], None] | None = None,
+    batch_invariant: bool = False,
 ) -> GenerationResult:
     """Continue each prompt with up to `config.max_new_tokens` tokens, block by block.
 
@@ -505,12 +514,25 @@ def generate(
     (e.g. the benchmark's untrained full-sequence block). `progress(n)` is called after each block
     with the number of tokens it added per row (at most); `trace(block, step, z)` after every
     reverse step (tests).
+
+    `batch_invariant=True` runs every row as a batch of one, with its own unpadded tensors: the
+    network then sees the same shapes whatever the batch, so the CPU's matrix kernels (which block
+    and order their sums by shape) compute the row bit for bit as they would alone. Costs one call
+    per row instead of one per batch (bench/README.md, "Batch invariance"); model_calls and
+    n_blocks are then summed over the rows.
     """
     block_size = check_config(model, config) if validate else resolve_block_size(model.config, config)
     paper = paper_nfe_per_block(config)
     n = len(prompts)
     if n == 0:
         return GenerationResult([], 0, 0.0, paper, block_size, 0, [])
+    stops = list(stop) if isinstance(stop, Sequence) else [stop] * n
+    if len(stops) != n:
+        raise ValueError(f"got {len(stops)} stop callbacks for {n} prompts")
+    if seeds is None:
+        seeds = [config.seed + i for i in range(n)]
+    elif len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
     limit = config.max_new_tokens
     splits = [split_prompt(p, block_size, config.layout) for p in prompts]
     # Blocks each row needs: its tail plus max_new_tokens, in whole blocks from its grid start.
@@ -523,13 +545,12 @@ def generate(
             f"exceeds the model's seq_len {model.config.seq_len}; truncate prompts to {max_prompt_len(model.config, config)} "
             f"tokens or ask for fewer new tokens"
         )
-    stops = list(stop) if isinstance(stop, Sequence) else [stop] * n
-    if len(stops) != n:
-        raise ValueError(f"got {len(stops)} stop callbacks for {n} prompts")
-    if seeds is None:
-        seeds = [config.seed + i for i in range(n)]
-    elif len(seeds) != n:
-        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+    if batch_invariant and n > 1:
+        rows = [generate(model, [p], config, eos_id, pad_id, [s], seeds=[seed], use_cache=use_cache, validate=False,
+                         progress=progress, trace=trace) for p, s, seed in zip(prompts, stops, seeds)]
+        calls, blocks = sum(r.model_calls for r in rows), sum(r.n_blocks for r in rows)
+        return GenerationResult([r.tokens[0] for r in rows], calls, calls / blocks, paper, block_size, blocks,
+                                [r.finish_reasons[0] for r in rows])
     generator = RowGenerators(seeds)
 
     was_training = model.training

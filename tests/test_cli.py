@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from blockgen.harness import cli
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKGEN = Path(sys.executable).parent / "blockgen"
@@ -118,7 +119,39 @@ def test_regression_check_is_leaderboard_check():
 
 def test_installed_command_and_torchrun_module_are_the_same_program():
     """`blockgen` (the console script) and `python -m blockgen.harness.cli` (what torchrun launches)."""
-    script = subprocess.run([str(BLOCKGEN), "variants", "eipc", "--nfe", "4"], capture_output=True, text=True, timeout=120)
+    script = subprocess.run([str(BLOCKGEN), "variants", "eipc", "--nfe", "4"], capture_output=True, text=True, timeout=HANG_S)
     module = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "variants", "eipc", "--nfe", "4"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_S)
     assert script.returncode == module.returncode == 0 and script.stdout == module.stdout == "4:2:0\n"
+
+
+def test_sample_on_a_device_it_cannot_use_gives_the_device_policys_message(tmp_path):
+    """`blockgen sample --device cuda` on a CPU machine: the message every command gives (`resolve_device`),
+    one line and exit 2, not torch's AssertionError; checked before the checkpoint is read."""
+    import torch
+
+    from blockgen.harness.distributed import resolve_device
+
+    for device in ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]):
+        with pytest.raises(ValueError) as policy:
+            resolve_device(device)
+        r = subprocess.run([str(BLOCKGEN), "sample", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "", "--device", device],
+                           capture_output=True, text=True, timeout=HANG_S)
+        assert r.returncode == 2 and r.stderr.strip() == f"error: {policy.value}", r.stderr[-2000:]
+
+
+def test_presets_is_a_table_and_json_on_request():
+    import json
+
+    from blockgen.harness.presets import PRESETS
+
+    table = subprocess.run([str(BLOCKGEN), "presets"], capture_output=True, text=True, timeout=HANG_S)
+    assert table.returncode == 0, table.stderr[-2000:]
+    header, *rows, footer = table.stdout.splitlines()
+    assert header.split()[:4] == ["name", "prior", "block", "sizes"] and "--json" in footer
+    assert [row.split()[0] for row in rows] == list(PRESETS)  # one line per preset, in order
+    ci = next(row for row in rows if row.startswith("ci "))
+    assert ci.split() == ["ci", "masked", "1", "4", "0.5", "0.5", "blockgen", "micro", "128", "16", "40", "0.001", "wordproblems"]
+    dumped = subprocess.run([str(BLOCKGEN), "presets", "--json"], capture_output=True, text=True, timeout=HANG_S)
+    assert dumped.returncode == 0
+    assert json.loads(dumped.stdout) == json.loads(json.dumps({name: c.to_dict() for name, c in PRESETS.items()}))

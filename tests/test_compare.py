@@ -1,6 +1,7 @@
 """Paired comparisons (`blockgen.harness.compare`): the exact McNemar test against a hand computation,
 Newcombe's paired interval against a paired bootstrap of the same outcomes and narrower than the
-unpaired one, Gen PPL's paired bootstrap, and the command on lm-eval-format logs."""
+unpaired one, Gen PPL's paired bootstrap, owt_ppl's paired t-interval of NLL per token against a hand
+computation and a bootstrap, and the command on lm-eval-format logs."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from blockgen.harness.compare import (
     compare,
     compare_accuracy,
     compare_gen_ppl,
+    compare_nll,
+    format_comparison,
     mcnemar_exact,
     newcombe_paired,
     wilson,
 )
+from limits import HANG_S
 
 BIN = Path(sys.executable).parent
 
@@ -91,36 +95,107 @@ def test_gen_ppl_paired_bootstrap():
     assert compare_gen_ppl(a, b, iters=4000) == c  # seeded
 
 
-def _write_run(out: Path, task: str, a: list[float], hashes: list[str], stamp: str) -> Path:
-    """An lm-eval output folder (results_<time>.json + samples_<task>_<time>.jsonl) with these outcomes."""
+# owt_ppl: 4 chunks of 10 tokens; per-token NLLs A 3.0 2.5 4.0 3.5, B 3.2 2.6 4.1 3.8
+NLL_A = [(-30.0, 10), (-25.0, 10), (-40.0, 10), (-35.0, 10)]
+NLL_B = [(-32.0, 10), (-26.0, 10), (-41.0, 10), (-38.0, 10)]
+
+
+def test_nll_paired_t_interval_against_a_hand_computation():
+    # differences A - B per document: -0.2 -0.1 -0.1 -0.3; mean -0.175, squared deviations sum 0.0275
+    se = math.sqrt(0.0275 / 3 / 4)
+    t975 = 3.182446305284  # Student's t, 3 degrees of freedom, 97.5 %
+    c = compare_nll(NLL_A, NLL_B, "owt_ppl", "nll")
+    assert (c.n, c.value_a, c.value_b) == (4, pytest.approx(3.25), pytest.approx(3.425))
+    assert c.difference == pytest.approx(-0.175)
+    assert (c.low, c.high) == (pytest.approx(-0.175 - t975 * se, rel=1e-9), pytest.approx(-0.175 + t975 * se, rel=1e-9))
+    # two-sided p from the t distribution's closed form at 3 degrees of freedom
+    t = 0.175 / se
+    cdf = 0.5 + (t / (math.sqrt(3) * (1 + t * t / 3)) + math.atan(t / math.sqrt(3))) / math.pi
+    assert c.p_value == pytest.approx(2 * (1 - cdf), rel=1e-9) and c.resolved
+    # unpaired: A's and B's own standard errors (squared deviations 1.25 and 1.3275), as if independent
+    half = 1.959963984540054 * math.hypot(math.sqrt(1.25 / 12), math.sqrt(1.3275 / 12))
+    assert (c.unpaired_low, c.unpaired_high) == (pytest.approx(-0.175 - half), pytest.approx(-0.175 + half))
+    assert c.unpaired_low < 0 < c.unpaired_high  # the documents' own spread hides the difference unpaired
+    text = format_comparison(c)
+    assert "A - B = -0.1750 nats/token" in text and "perplexity A 25.790, B 30.723: A / B = 0.8395" in text
+    same = compare_nll(NLL_A, NLL_A)
+    assert (same.difference, same.low, same.high, same.p_value, same.resolved) == (0, 0, 0, 1.0, False)
+
+
+def test_nll_interval_weights_tokens_and_agrees_with_a_bootstrap():
+    """Chunks of unequal length: the value is the token-weighted NLL (exp of it lm-eval's perplexity),
+    and the delta-method interval matches a paired bootstrap of the ratio over documents."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(20, 200, 300)
+    nll_a = tokens * rng.uniform(3.0, 5.0, 300)
+    nll_b = nll_a + tokens * rng.normal(0.03, 0.05, 300)
+    c = compare_nll([(-x, int(n)) for x, n in zip(nll_a, tokens)], [(-x, int(n)) for x, n in zip(nll_b, tokens)])
+    assert c.value_a == pytest.approx(nll_a.sum() / tokens.sum()) and c.value_b == pytest.approx(nll_b.sum() / tokens.sum())
+    idx = rng.integers(0, 300, (20000, 300))
+    boot = np.quantile((nll_a[idx].sum(1) - nll_b[idx].sum(1)) / tokens[idx].sum(1), [0.025, 0.975])
+    width = c.high - c.low
+    assert c.low == pytest.approx(boot[0], abs=0.05 * width) and c.high == pytest.approx(boot[1], abs=0.05 * width)
+    assert c.resolved and (c.high - c.low) < 0.2 * (c.unpaired_high - c.unpaired_low)
+    with pytest.raises(CompareError, match="other tokens"):
+        compare_nll(NLL_A, [(-32.0, 10), (-26.0, 10), (-41.0, 10), (-38.0, 11)])
+    with pytest.raises(CompareError, match="at least 2 documents"):
+        compare_nll(NLL_A[:1], NLL_B[:1])
+
+
+def _write_run(out: Path, task: str, values: list[dict], hashes: list[str], stamp: str) -> Path:
+    """An lm-eval output folder (results_<time>.json + samples_<task>_<time>.jsonl) with these
+    per-document metric values."""
     out.mkdir(parents=True)
     results = out / f"results_{stamp}.json"
-    results.write_text(json.dumps({"results": {task: {"exact_match,sandbox": sum(a) / len(a)}}}))
+    results.write_text(json.dumps({"results": {task: {}}}))
     (out / f"samples_{task}_{stamp}.jsonl").write_text("".join(
-        json.dumps({"doc_id": i, "doc_hash": h, "filter": "sandbox", "metrics": ["exact_match"], "exact_match": v}) + "\n"
-        for i, (v, h) in enumerate(zip(a, hashes))))
+        json.dumps({"doc_id": i, "doc_hash": h, "filter": "none", "metrics": sorted(v), **v}) + "\n"
+        for i, (v, h) in enumerate(zip(values, hashes))))
     return results
+
+
+def _outcomes(values: list[float]) -> list[dict]:
+    return [{"exact_match": v} for v in values]
 
 
 def test_compare_command_on_lm_eval_logs(tmp_path):
     a, b = outcomes(both=40, a_only=9, b_only=1, neither=50)
     hashes = [f"h{i}" for i in range(100)]
-    _write_run(tmp_path / "a", "gsm8k_code_embedded", a, hashes, "2026-11-26T10-00-00.0")
-    _write_run(tmp_path / "b", "gsm8k_code_embedded", b, hashes, "2026-11-26T11-00-00.0")
+    _write_run(tmp_path / "a", "gsm8k_code_embedded", _outcomes(a), hashes, "2026-11-26T10-00-00.0")
+    _write_run(tmp_path / "b", "gsm8k_code_embedded", _outcomes(b), hashes, "2026-11-26T11-00-00.0")
     c = compare(str(tmp_path / "a"), str(tmp_path / "b"))
     assert (c.n, c.counts["a_only"], c.counts["b_only"]) == (100, 9, 1) and c.difference == pytest.approx(0.08)
     assert c.p_value == pytest.approx(2 * (1 + 10) / 2**10)
     r = subprocess.run([str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert "both right 40, A only 9, B only 1, both wrong 50" in r.stdout and "A - B = +8.0 points" in r.stdout
     assert f"p = {c.p_value:.2g}" in r.stdout and "resolved at 95%" in r.stdout
     # other problems, or no per-sample log: a clear error
-    _write_run(tmp_path / "c", "gsm8k_code_embedded", b, [f"x{i}" for i in range(100)], "2026-11-26T12-00-00.0")
+    _write_run(tmp_path / "c", "gsm8k_code_embedded", _outcomes(b), [f"x{i}" for i in range(100)], "2026-11-26T12-00-00.0")
     with pytest.raises(CompareError, match="did not see the same documents"):
         compare(str(tmp_path / "a"), str(tmp_path / "c"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "results_2026-11-26T13-00-00.0.json").write_text(json.dumps({"results": {"gsm8k_code_embedded": {}}}))
     r = subprocess.run([str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path / "a"), str(tmp_path / "d")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and "--log_samples" in r.stderr
+
+
+def test_compare_command_on_owt_ppl_logs(tmp_path):
+    """owt_ppl's log holds each chunk's (log-likelihood, tokens) per metric (lm-eval writes the pair as a
+    list): the command compares NLL per token by default, or the Jensen bound's with --metric."""
+    hashes = [f"chunk{i}" for i in range(4)]
+    for name, values, stamp in (("a", NLL_A, "2026-11-27T10-00-00.0"), ("b", NLL_B, "2026-11-27T11-00-00.0")):
+        _write_run(tmp_path / name, "owt_ppl", [{"nll": [ll, n], "nll_jensen": [ll - 1, n]} for ll, n in values], hashes, stamp)
+    cmd = [str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path / "a"), str(tmp_path / "b")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert "owt_ppl nll, 4 documents paired" in r.stdout
+    assert "A - B = -0.1750 nats/token, 95% interval -0.3273..-0.0227 (paired), p = 0.035" in r.stdout
+    assert "resolved at 95% (paired t-interval over documents, 3 degrees of freedom)" in r.stdout
+    r = subprocess.run([*cmd, "--metric", "nll_jensen", "--json"], capture_output=True, text=True, timeout=HANG_S)
+    c = json.loads(r.stdout)
+    assert c["metric"] == "nll_jensen" and c["value_a"] == pytest.approx(3.35) and c["difference"] == pytest.approx(-0.175)
+    jensen = compare_nll(*([(ll - 1, n) for ll, n in v] for v in (NLL_A, NLL_B)), "owt_ppl", "nll_jensen", (c["a"], c["b"]))
+    assert c == jensen.to_json()

@@ -5,7 +5,9 @@ Pages checked: README.md, docs/*.md and bench/README.md. Every relative link ([t
 page (GitHub's anchor rule); every `make TARGET` in code must be a rule of the Makefile; every
 `blockgen SUBCOMMAND` in code a subcommand of the command line's parser (read from the parser itself,
 so a new or renamed subcommand needs no edit here); every module of models/, harness/, tasks/ has its
-line in docs/layout.md; no page cites a path of the machine the docs were written on.
+line in docs/layout.md; no page cites a path of the machine the docs were written on. Claims the code
+can check: the table of grids (names, settings), the count of grids, the presets named in
+docs/training.md; and the README keeps no dated figures (docs/results.md does).
 """
 
 from __future__ import annotations
@@ -159,6 +161,41 @@ def test_every_module_has_a_line_in_the_layout_page():
                if p.name != "__init__.py"]
     missing = [str(p.relative_to(REPO)) for p in modules if f"`{p.relative_to(REPO)}`" not in layout]
     assert not missing, f"docs/layout.md has no line for {missing}"
+
+
+def test_the_grid_table_lists_every_grid_with_its_settings():
+    """docs/pipeline.md's table of grids: one row per grid of the registry, each with its number of
+    settings (what `blockgen sweep GRID --dry-run` lists); a count of grids in any page is theirs."""
+    from blockgen.harness.grids import GRIDS
+    from blockgen.harness.sweep import settings
+
+    rows = re.findall(r"^\| `([\w-]+)` \|.*\| (\d+) \|$", (REPO / "docs" / "pipeline.md").read_text(), re.M)
+    assert {name: int(n) for name, n in rows} == {name: len(settings(g, "/nonexistent")) for name, g in GRIDS.items()}
+    for page in PAGES:
+        for n in re.findall(r"\b(\d+) (?:evaluation )?grids\b", page.read_text()):
+            assert int(n) == len(GRIDS), f"{_page_id(page)} speaks of {n} grids; harness/grids.py has {len(GRIDS)}"
+
+
+def test_the_training_page_names_every_preset():
+    """docs/training.md's tables name every variant of the paper's presets (`<benchmark>-<variant>`;
+    `masked-4/8/16` names three) and every other preset."""
+    from blockgen.harness.presets import BENCHMARKS, PRESETS, VARIANTS
+
+    named = set()
+    for code in CODE_SPAN.findall((REPO / "docs" / "training.md").read_text()):
+        stem, sizes = re.fullmatch(r"(.*?)(?:-([\d/]+))?", code).groups()
+        named |= {f"{stem}-{n}" for n in sizes.split("/")} if sizes else {code}
+    assert not set(VARIANTS) - named, f"docs/training.md names no variant {sorted(set(VARIANTS) - named)}"
+    paper = {f"{bench}-{v}" for bench, (_, variants) in BENCHMARKS.items() for v in variants}
+    missing = [name for name in PRESETS if name not in paper | named]
+    assert not missing, f"docs/training.md names no preset {missing}"
+
+
+def test_the_readme_keeps_no_dated_figures():
+    """Dates, test counts and timings of one run go stale: they live in docs/results.md, the README links there."""
+    text = LINK.sub("", (REPO / "README.md").read_text())  # link targets may name a dated heading
+    dated = re.findall(r"\b20\d\d-\d\d-\d\d\b|\b\d+ tests\b|\b\d+ min(?: \d+ s)?\b", text)
+    assert not dated, f"README.md has dated figures {dated}; keep them in docs/results.md"
 
 
 def test_the_checks_catch_what_they_claim_to(tmp_path: Path):

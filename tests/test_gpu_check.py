@@ -14,20 +14,26 @@ from blockgen.harness import gpu_check
 from blockgen.harness.gpu_check import CPU_SCALE, GPU_SCALE, GpuCheckConfig, run_gpu_check
 from blockgen.harness.train import TrainConfig, memory_estimate
 from blockgen.models.model import BlockGen
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The CLI test runs every stage but the vLLM scorer's (its engine alone takes about 70 s to start on a
+# CPU): tests/test_scorers.py runs the same vLLM-against-transformers comparison on a real server.
+CLI_STAGES = ("train", "generate", "lm_eval")
+
+
 def test_cpu_mode_through_the_real_command_line(tmp_path):
-    """All four stages at micro size; the vLLM stage runs when .venv-vllm (or $BLOCKGEN_VLLM_PYTHON) has vLLM."""
+    """The stages at micro size through `blockgen gpu-check --device cpu` (about 40 s alone)."""
     out = tmp_path / "gpu-check"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(REPO / ".venv" / "bin" / "blockgen"), "gpu-check", "--device", "cpu", "--out-dir", str(out)],
-                          cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([str(REPO / ".venv" / "bin" / "blockgen"), "gpu-check", "--device", "cpu", "--out-dir", str(out),
+                           "--stages", *CLI_STAGES], cwd=REPO, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary == json.loads((out / "summary.json").read_text())
-    assert summary["mode"] == "cpu" and summary["ok"] and set(summary["stages"]) == set(gpu_check.STAGES)
+    assert summary["mode"] == "cpu" and summary["ok"] and tuple(summary["stages"]) == CLI_STAGES
 
     train = summary["stages"]["train"]["runs"]
     assert [(r["prior"], r["micro_batch"]) for r in train] == [(p, m) for p in ("masked", "uniform") for m in CPU_SCALE.micro_batches]
@@ -44,12 +50,6 @@ def test_cpu_mode_through_the_real_command_line(tmp_path):
 
     lm_eval = summary["stages"]["lm_eval"]
     assert 0.0 <= lm_eval["metrics"]["exact_match,sandbox"] <= 1.0 and Path(lm_eval["results"]).is_file()
-
-    scorers = summary["stages"]["scorers"]
-    if "skipped" in scorers:
-        assert "vLLM" in scorers["skipped"]
-    else:  # the same windows through both backends: the same Gen PPL up to float noise
-        assert scorers["relative_difference"] < 1e-4 and scorers["vllm_tokens_per_s"] > 0
 
 
 def test_a_failing_stage_does_not_lose_the_others(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.tasks import gsm8k_code
 from blockgen.tasks.gsm8k_code import OUTCOMES, ExecutePrograms, is_correct, parse_gsm8k_answer, process_results
 from blockgen.tasks.sandbox import Outcome, SandboxResult
+from limits import HANG_S
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.json"
 BIN = Path(sys.executable).parent
@@ -100,7 +101,7 @@ def trained(tmp_path_factory) -> Path:
     return Path(train(preset("ci", out_dir=str(out / "ci"), data=replace(base.data, cache_dir=str(out / "data")))))
 
 
-def _run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int = HANG_S, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or ENV, cwd="/")
 
 

@@ -15,6 +15,7 @@ import pytest
 from blockgen.harness import leaderboard as lb
 from blockgen.harness.leaderboard import Leaderboard, LeaderboardError, Row
 from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_TEX = REPO.parent / "shared" / "paper" / "blockgen-paper.tex"
@@ -23,7 +24,7 @@ BLOCKGEN = [PY, "-m", "blockgen.harness.cli"]
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=HANG_S, cwd=cwd)
 
 
 # ------------------------------------------------------------------------------ schema
@@ -92,20 +93,34 @@ def test_best_per_nfe_keeps_one_variant_per_nfe_in_the_metric_direction():
 
 
 @pytest.fixture(scope="module")
-def results_file(tmp_path_factory) -> Path:
-    """A micro checkpoint (20 steps) evaluated by the real `lm_eval` command on two toy tasks."""
-    work = tmp_path_factory.mktemp("lb")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lb")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(work) -> Path:
+    """A micro checkpoint (20 steps), block sizes 1 and 4."""
     train = cli("train", "--preset", "ci", "--out-dir", work / "tiny-run", "--max-steps", "20", "--device", "cpu",
                 "--data.cache-dir", work / "cache", cwd=work)
     assert train.returncode == 0, train.stderr[-2000:]
-    cmd = [PY, "-m", "lm_eval", "--model", "blockgen", "--model_args",
-           f"pretrained={work / 'tiny-run' / 'checkpoint'},sampler=arpc,steps=3,ge=3,temperature=0.5,k_mc=2",
-           "--tasks", "blockgen_toy_gen,blockgen_toy_ppl", "--device", "cpu", "--batch_size", "4", "--limit", "6",
-           "--output_path", str(work / "results")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=work)
+    return work / "tiny-run" / "checkpoint"
+
+
+def lm_eval(work: Path, model_args: str, tasks: str, out: str, *extra: str) -> Path:
+    """The real `lm_eval` command on the CPU (6 documents per task); its results file."""
+    cmd = [PY, "-m", "lm_eval", "--model", "blockgen", "--model_args", model_args, "--tasks", tasks, "--device", "cpu",
+           "--batch_size", "4", "--limit", "6", "--output_path", str(work / out), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = (work / "results").rglob("results_*.json")
+    (path,) = (work / out).rglob("results_*.json")
     return path
+
+
+@pytest.fixture(scope="module")
+def results_file(work, checkpoint) -> Path:
+    """The micro checkpoint evaluated on two toy tasks."""
+    return lm_eval(work, f"pretrained={checkpoint},sampler=arpc,steps=3,ge=3,temperature=0.5,k_mc=2",
+                   "blockgen_toy_gen,blockgen_toy_ppl", "results")
 
 
 def test_blockgen_leaderboard_add_turns_lm_eval_results_into_rows(results_file, tmp_path):
@@ -132,6 +147,74 @@ def test_blockgen_leaderboard_add_turns_lm_eval_results_into_rows(results_file, 
     assert "4 replaced" in again.stdout and len(lb.read(board).rows) == len(rows)
     shown = cli("leaderboard", "show", board, "--task", "blockgen_toy_gen")
     assert shown.returncode == 0 and "arpc" in shown.stdout and "word_perplexity" not in shown.stdout
+
+
+CACHED_ARGS = "sampler=arpc,steps=3,ge=3,k_mc=2,seed=3"
+
+
+@pytest.fixture(scope="module")
+def cached_reruns(work, checkpoint) -> list[Path]:
+    """One `lm_eval --use_cache` command run twice: the second time lm-eval's cache answers every request
+    it can (owt_ppl's windows are never cached: they run again)."""
+    args = ("--use_cache", str(work / "lm-eval-cache"), "--log_samples")
+    tasks = "blockgen_toy_gen,blockgen_toy_cloze,owt_ppl_embedded"
+    return [lm_eval(work, f"pretrained={checkpoint},{CACHED_ARGS}", tasks, run, *args) for run in ("first", "again")]
+
+
+def test_a_cached_rerun_gives_the_same_rows(cached_reruns, tmp_path):
+    """Nothing reaches the model the second time, yet its rows keep the block size, calls and tokens/s:
+    the usage the first run stored beside lm-eval's cache (issue 28)."""
+    boards = []
+    for i, path in enumerate(cached_reruns):
+        out = cli("leaderboard", "add", path, "--to", tmp_path / f"{i}.json")
+        assert out.returncode == 0, out.stderr
+        boards.append(sorted(lb.read(tmp_path / f"{i}.json").rows, key=lambda r: (r.task, r.metric)))
+    first, again = ([replace(r, source="", date=None, wall_seconds=None) for r in rows] for rows in boards)
+    assert first == again
+    gen = next(r for r in boards[1] if r.task == "blockgen_toy_gen")
+    assert (gen.sampler, gen.block_size, gen.nfe_per_block, gen.model_calls_per_block) == ("arpc", 4, 4, 4.0)
+    assert gen.total_calls > 0 and gen.tokens_per_s > 0
+    reports = [json.loads(path.read_text())["config"]["blockgen"]["tasks"] for path in cached_reruns]
+    for task, kind in (("blockgen_toy_gen", "generate_until"), ("blockgen_toy_cloze", "loglikelihood")):
+        assert "answered_from_cache" not in reports[0][task][kind]
+        assert reports[1][task][kind] == {**reports[0][task][kind], "answered_from_cache": 6, "usage_from_cache": True}
+    # answers from the cache without their stored usage: a count of the rest is not the task's total
+    results = json.loads(cached_reruns[1].read_text())
+    results["config"]["blockgen"]["tasks"]["blockgen_toy_gen"]["generate_until"]["usage_from_cache"] = False
+    partial = next(r for r in lb.rows_from_results(results) if r.task == "blockgen_toy_gen")
+    assert partial.total_calls is None and partial.tokens_per_s == gen.tokens_per_s
+
+
+def test_a_cached_subset_names_its_settings_and_measures_nothing(cached_reruns, work, checkpoint):
+    """Fewer documents than the run that filled the cache: every answer is cached, but no usage was
+    stored for this set of requests; the rows name the settings and leave calls and speed unmeasured."""
+    import lm_eval as lm_eval_api
+    from lm_eval.tasks import TaskManager
+
+    from blockgen.lm_eval import tasks_dir
+
+    out = lm_eval_api.simple_evaluate(model="blockgen", model_args=f"pretrained={checkpoint},{CACHED_ARGS}",
+                                      tasks=["blockgen_toy_gen"], limit=4, device="cpu", batch_size=4, bootstrap_iters=0,
+                                      use_cache=str(work / "lm-eval-cache"),
+                                      task_manager=TaskManager(include_path=tasks_dir(), include_defaults=False))
+    report = out["config"]["blockgen"]["tasks"]["blockgen_toy_gen"]["generate_until"]
+    assert (report["requests"], report["answered_from_cache"], report["usage_from_cache"]) == (0, 4, False)
+    (row,) = lb.rows_from_results(json.loads(json.dumps(out, default=str)))
+    assert (row.sampler, row.steps, row.block_size, row.nfe_per_block) == ("arpc", 3, 4, 4)
+    assert row.model_calls_per_block is None and row.total_calls is None and row.tokens_per_s is None
+
+
+def test_compare_two_owt_ppl_runs_on_the_command_line(cached_reruns):
+    """`blockgen leaderboard compare` pairs the chunks' NLLs of two real owt_ppl logs; the same settings
+    score the same chunks to the same numbers, so the paired difference is exactly 0."""
+    a, b = cached_reruns
+    r = subprocess.run([*BLOCKGEN, "leaderboard", "compare", a, b, "--task", "owt_ppl_embedded", "--json"],
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    nll = json.loads(a.read_text())["results"]["owt_ppl_embedded"]["nll,none"]  # lm-eval's own aggregate
+    assert (c["metric"], c["n"]) == ("nll", 6) and c["value_a"] == pytest.approx(nll, rel=1e-12) and c["value_b"] == c["value_a"]
+    assert (c["difference"], c["low"], c["high"], c["p_value"], c["resolved"]) == (0, 0, 0, 1, False)
 
 
 def test_results_not_from_lm_eval_are_refused(tmp_path):

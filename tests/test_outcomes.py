@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from blockgen.harness import outcomes as oc
+from limits import HANG_S
 
 BLOCKGEN = [sys.executable, "-m", "blockgen.harness.cli"]
 LIMIT = 6
@@ -25,7 +26,7 @@ ENV_KEYS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS"
 def cli(*args) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=300,
+    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=HANG_S,
                           env={**os.environ, **ENV_KEYS})
 
 

@@ -21,6 +21,7 @@ import torch
 from blockgen.harness.checkpoint import load_checkpoint
 from blockgen.harness.data import DataConfig, chunk_documents, document_split, get_tokenizer
 from blockgen.harness.tokenizer import special_tokens
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -44,7 +45,7 @@ def need_vllm() -> str:
     return python
 
 
-def run(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict | None = None, timeout: int = HANG_S) -> subprocess.CompletedProcess:
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env or ENV, timeout=timeout, cwd=REPO)
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_wheel_holds_one_namespace_and_the_hook(tmp_path):
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_S,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = tmp_path.glob("blockgen-*.whl")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from blockgen.harness.leaderboard import Leaderboard, Row, write
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 1400, 1000
@@ -43,7 +44,7 @@ def chromium() -> str:
 class DevTools:
     """A headless Chromium and a CDP session on its first page, over --remote-debugging-pipe."""
 
-    def __init__(self, binary: str, user_data_dir: Path, timeout: float = 30.0):
+    def __init__(self, binary: str, user_data_dir: Path, timeout: float = HANG_S):
         self.timeout = timeout
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
@@ -174,7 +175,7 @@ def page(tmp_path_factory):
     out = tmp / "site"
     done = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "leaderboard", "page", str(tmp / "ours.json"),
                            str(REPO / "leaderboards" / "paper.json"), "--task", "gsm8k_code", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp)
+                          capture_output=True, text=True, timeout=HANG_S, cwd=tmp)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(out / "index.html")
     return out / "index.html"
@@ -285,7 +286,7 @@ def test_page_leads_with_the_comparison(tmp_path):
     write(Leaderboard([row_a, *shares, row_b, gen, entropy]), tmp_path / "board.json")
     out = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "leaderboard", "page", str(tmp_path / "board.json"),
-                           "--out-dir", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     expected = compare_accuracy(a, b)
 

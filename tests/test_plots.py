@@ -17,11 +17,12 @@ TASK, MODEL = "embedded_wordproblems", "gsm-masked-mix"
 AR_GREEDY = (0.60, 40.0)  # accuracy, tokens/s
 
 
-def gen_row(sampler: str, nfe: int, temperature: float, value: float, tokens_per_s: float | None, *,
-            model: str = MODEL, published: bool = False, steps: int | None = None) -> Row:
+def gen_row(sampler: str, nfe: int, temperature: float | None, value: float, tokens_per_s: float | None, *,
+            model: str = MODEL, published: bool = False, steps: int | None = None,
+            block_sizes: list[int] | None = None) -> Row:
     ar = sampler in plots.AR_SAMPLERS
     return Row(model=model, task=TASK, metric="exact_match", value=value, stderr=0.02, n=500, higher_is_better=True,
-               published=published, prior="masked", sampler=sampler, steps=steps or nfe, ge=1, warmup=0,
+               published=published, prior="masked", block_sizes=block_sizes, sampler=sampler, steps=steps or nfe, ge=1, warmup=0,
                temperature=temperature, block_size=1 if ar else 16, nfe_per_block=nfe, tokens_per_s=tokens_per_s,
                hardware="CPU: test")
 
@@ -153,3 +154,34 @@ def test_accuracy_vs_nfe_is_scaled_to_the_data_with_error_bars(tmp_path, monkeyp
         assert 20 < low < 34 and 65 < high < 80
         assert sorted(colours) == sorted(COLORS[s] for s in ("ancestral", "eipc", "arpc"))  # error bars per sampler
         assert bands == 2  # AR greedy and AR sampled: +-1 s.e.
+
+
+def test_accuracy_vs_nfe_draws_the_ar_model_at_each_panels_temperature(tmp_path, monkeypatch):
+    """A panel's AR lines: the AR model's greedy (it reads no temperature) and its samples at the panel's
+    temperature, never a mixture decoded at block size 1; the paper's AR rows (no temperature) in each panel."""
+    mixture, ar_model = [1, 16], [1]
+    rows = [gen_row("ancestral", nfe, t, 0.30 + 0.01 * nfe, None, block_sizes=mixture) for nfe in (4, 8) for t in (1.0, 0.1)]
+    rows += [gen_row("ar_greedy", 1, 1.0, 0.61, None, model="gsm-ar", block_sizes=ar_model),
+             gen_row("ar_sample", 1, 1.0, 0.42, None, model="gsm-ar", block_sizes=ar_model),
+             gen_row("ar_sample", 1, 0.1, 0.58, None, model="gsm-ar", block_sizes=ar_model),
+             gen_row("ar_greedy", 1, 1.0, 0.70, None, block_sizes=mixture),  # the mixture's, better: not the AR line
+             gen_row("ar_sample", 1, None, 0.50, None, model="paper-ar", block_sizes=ar_model, published=True)]
+    panels = {}
+    real_save = plots._save
+
+    def keep(plt, fig, path):
+        for ax in fig.axes:
+            lines = {line.get_label(): line.get_ydata()[0] for line in ax.lines if line.get_linestyle() == ":"}
+            panels[ax.get_title()] = (lines, len(ax.patches))
+        return real_save(plt, fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    (png,) = plots.accuracy_vs_nfe(rows, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    expected = {"T = 1": {"gsm-ar ar_greedy": 61, "gsm-ar ar_sample": 42, "paper-ar ar_sample (paper)": 50},
+                "T = 0.1": {"gsm-ar ar_greedy": 61, "gsm-ar ar_sample": 58, "paper-ar ar_sample (paper)": 50}}
+    assert panels.keys() == expected.keys()
+    for title, want in expected.items():
+        lines, bands = panels[title]
+        assert lines == pytest.approx(want), title
+        assert bands == 2  # +-1 s.e. of this project's two AR lines; the paper's rows carry none

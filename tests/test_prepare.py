@@ -24,6 +24,7 @@ from blockgen.harness import prepare
 from blockgen.harness.data import DataConfig, chunk_documents, document_split
 from blockgen.harness.prepare import load_examples
 from blockgen.harness.tokenizer import special_tokens, train_bpe
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -123,7 +124,7 @@ def test_hub_check_and_loading_failures_are_the_projects_clear_errors(tmp_path):
 
     env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     cli = [PY, "-m", "blockgen.harness.cli", "hub-check", "--presets", "owt-masked-mix", "--models", "gpt2-large", "--hint", "use OFFLINE=1"]
-    result = subprocess.run(cli, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    result = subprocess.run(cli, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=tmp_path)
     assert result.returncode == 1 and "HF_HUB_OFFLINE" in result.stderr and "use OFFLINE=1" in result.stderr
     partial = tmp_path / "partial"
     _write_parquet(partial / "plain_text" / "partial-train" / "0000.parquet", {"text": ["a"]})
@@ -270,7 +271,7 @@ def test_tinygsm_preparation_memory_is_flat_in_the_number_of_rows(tmp_path, tok)
         _write_parquet(path, {"question": questions, "code": codes})
         env = {**ENV, "HF_DATASETS_CACHE": str(tmp_path / f"hf-{n}")}
         out = subprocess.run([PY, "-c", MEMORY_PROBE, str(path), tok.name_or_path, str(tmp_path / f"cache-{n}")],
-                             capture_output=True, text=True, timeout=300, env=env)
+                             capture_output=True, text=True, timeout=HANG_S, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         results[n] = json.loads(out.stdout.strip().splitlines()[-1])
     grow = {n: (r["peak_anon_kb"] - r["start_kb"]) / 1024 for n, r in results.items()}
@@ -299,7 +300,7 @@ def test_torchrun_trains_when_preparation_outlasts_the_process_group_timeout(tmp
            "--out-dir", str(out), "--max-steps", "3", "--eval-every", "3", "--save-every", "3", "--device", "cpu",
            "--data.cache-dir", str(tmp_path / "data"), "--dist-timeout-s", "15"]
     start = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=ENV, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert time.monotonic() - start > 18
     assert "timeout 15 s" in result.stdout and "preparing it now" in result.stdout

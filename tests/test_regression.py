@@ -17,6 +17,7 @@ from blockgen.harness import leaderboard as lb
 from blockgen.harness import regression as rg
 from blockgen.harness.cli import main as cli_main
 from blockgen.harness.leaderboard import Leaderboard, LeaderboardError, Row
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKGEN = [sys.executable, "-m", "blockgen.harness.cli"]
@@ -45,7 +46,7 @@ def files(tmp_path: Path, reference: Leaderboard, new: Leaderboard) -> tuple[Pat
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*BLOCKGEN, *map(str, args)], capture_output=True, text=True, timeout=HANG_S)
 
 
 def verdicts(new: Leaderboard) -> dict[str, str]:
@@ -227,7 +228,7 @@ def test_make_regression_update_from_a_runs_folder_rewrites_the_reference(tmp_pa
     (tmp_path / "run").mkdir()
     lb.write(board(*[rerun(r, r.value * 1.1) for r in stored.rows]), tmp_path / "run" / "leaderboard-owt-embedded.json")
     out = subprocess.run(["make", "-o", "setup", "regression-update", f"FROM={tmp_path / 'run'}", f"CI_REFERENCE={reference}",
-                          f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the new rows against the old reference" in out.stdout and f"{len(stored.rows)} rows written" in out.stdout
     updated = lb.read(reference)

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save
 from blockgen.harness.train import keep_records_up_to
+from limits import HANG_S
 
 PY = sys.executable
 MAX_STEPS = 30
@@ -33,7 +34,7 @@ def train_command(out: Path, cache: Path) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path) -> None:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -57,7 +58,7 @@ def test_kill_dash_nine_then_rerun_matches_uninterrupted_run(tmp_path):
     cmd = train_command(killed, cache)
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_S
     try:  # kill the launcher and both workers at once, as a lost machine would, past a checkpoint
         while len(logged_steps(killed)) < 8 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)

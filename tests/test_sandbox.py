@@ -43,13 +43,16 @@ from blockgen.tasks.sandbox import (
     run_program,
 )
 from blockgen.tasks.gsm8k_code import is_correct  # the task's scoring, on the sandbox's results
+from limits import HANG_S
 
 # the real GSM8K test split, in the shared/ folder laid beside the checkout (and beside CI's clone)
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.json"
 FAST = SandboxConfig(
     wall_timeout_s=1.5, cpu_time_s=1, memory_bytes=128 * MiB, max_processes=8, max_open_files=32
 )
-SLACK_S = 1.0  # how far past its wall timeout a run may end (kill, reap, clean up)
+# How far past its wall timeout a run may end (kill, reap, clean up). Generous, so a busy machine never
+# reaches it; any bound this far below the hostile programs' 100 s sleeps still proves they were killed.
+SLACK_S = 10.0
 H = "def simple_math_problem():\n"
 ROOT = os.geteuid() == 0
 
@@ -779,7 +782,7 @@ def test_unprivileged_evaluator_gets_a_user_namespace() -> None:
     )
     done = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(python), "-I", "-c", script],
-        input=json.dumps(UNPRIVILEGED_PROGRAMS), capture_output=True, text=True, timeout=60, cwd="/",
+        input=json.dumps(UNPRIVILEGED_PROGRAMS), capture_output=True, text=True, timeout=HANG_S, cwd="/",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
@@ -814,7 +817,7 @@ def test_run_many_keeps_order_and_bounds_time() -> None:
     elapsed = time.monotonic() - start
     assert [r.value for r in results[:6]] == list(range(6))
     assert all(r.outcome is Outcome.TIMEOUT for r in results[6:])
-    assert 1.9 < elapsed < 2.0 + 2 * SLACK_S  # 4 timeouts on 2 workers, nothing more
+    assert 1.9 < elapsed < 2.0 + 2 * SLACK_S  # 4 timeouts on 2 workers: two rounds of 1 s, not the sleeps of 100 s
     assert run_many([], cfg) == []
 
 
@@ -1314,7 +1317,7 @@ def test_class3_keyrings(tmp_path: Path) -> None:
     codes = [program(KEYRING_ATTACK.format(numbers=numbers, token=TOKEN)), NEIGHBOUR]
     before = leftovers(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], input=json.dumps(codes),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     attack, neighbour = report["results"]

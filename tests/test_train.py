@@ -21,6 +21,7 @@ from blockgen.harness.tokenizer import special_tokens
 from blockgen.harness.presets import preset
 from blockgen.harness.train import train, warm_start
 from blockgen.models.model import BlockGen
+from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -128,7 +129,7 @@ def test_cli_trains_and_torchrun_two_processes(workdir):
         "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=workdir)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6
@@ -165,7 +166,7 @@ def test_unreachable_hub_fails_loudly(tmp_path):
         "    try:\n        call()\n    except Exception as e:\n        print(type(e).__name__, '|', str(e).replace(chr(10), ' '))\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=env).stdout
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=HANG_S, env=env).stdout
     lines = out.strip().splitlines()
     assert len(lines) == 2
     for line in lines:
@@ -181,6 +182,37 @@ def test_bad_configs_name_the_choices():
         preset("ci", size="huge")
 
 
+def blockgen_train(*flags, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [str(Path(PY).parent / "blockgen"), "train", "--preset", "ci", "--device", "cpu", *map(str, flags)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_errors_are_one_line_and_leave_no_out_dir(workdir, tmp_path):
+    """`blockgen train` with bad settings or a missing file: exit 2, one line naming the choices (no
+    traceback), and no empty out-dir left behind (nothing was written)."""
+    cases = {("--data.difficulty", "impossible"): "choose one of ['easy', 'hard', 'medium']",
+             ("--batch-size", "7", "--micro-batch", "2"): "batch_size=7 (--batch-size / BATCH) is not divisible",
+             ("--device", "gpu"): "choose one of ['auto', 'cpu', 'cuda', 'cuda:N', 'mps']",
+             ("--init-from", tmp_path / "nowhere"): f"{tmp_path / 'nowhere'} is not a BlockGen checkpoint"}
+    for flags, named in cases.items():
+        out = tmp_path / "run"
+        r = blockgen_train("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", *flags, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (flags, r.stderr[-2000:])
+        last = r.stderr.strip().splitlines()[-1]  # data preparation may report before it
+        assert last.startswith("blockgen train: error: ") and named in last, (flags, last)
+        assert not out.exists(), flags
+
+
+def test_cli_resume_says_where_it_resumed(workdir):
+    out = workdir / "cli-resume"
+    flags = ("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", "--eval-every", "1000", "--save-every", "2")
+    first = blockgen_train(*flags, "--max-steps", "2", cwd=workdir)
+    assert first.returncode == 0 and "resuming" not in first.stdout, first.stderr[-2000:]
+    again = blockgen_train(*flags, "--max-steps", "3", cwd=workdir)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming from step 2 of {out / 'checkpoint'}" in again.stdout.splitlines()
+
+
 def test_demo_command_end_to_end(tmp_path):
     """`blockgen demo` (the README's main job) on the CI preset: trains, sweeps the samplers in worker
     processes, writes a leaderboard whose bounds hold, plots and a page; a rerun redoes nothing."""
@@ -189,7 +221,7 @@ def test_demo_command_end_to_end(tmp_path):
     out = tmp_path / "demo"
     cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "--max-steps", "4",
            "--problems", "8", "--nfes", "4", "--jobs", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["provenance"]["command"].startswith("blockgen demo")
@@ -220,7 +252,7 @@ def test_demo_command_end_to_end(tmp_path):
     # Nothing lost, nothing redone: a rerun keeps the checkpoint and every results file.
     results = sorted((out / "results").rglob("*.json"))
     stamps = [p.stat().st_mtime_ns for p in results]
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [p.stat().st_mtime_ns for p in results] == stamps
     assert leaderboard.read(out / "leaderboard.json").rows == rows

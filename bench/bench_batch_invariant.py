@@ -1,0 +1,91 @@
+"""What batch invariance costs: batched vs row-by-row generation and scoring, side by side in one run.
+
+    .venv/bin/python bench/bench_batch_invariant.py
+    .venv/bin/python bench/bench_batch_invariant.py --sizes micro --batch-sizes 1 8 --repeats 1
+
+`batch_invariant=True` (the adapter's default on a CPU) runs every row as a batch of one, so a
+row's text and score are bit for bit the same in any batch. This prints, for the micro and tiny
+shapes (random weights: timing only), `generate()` tokens/s of ARPC, ancestral and AR greedy and
+`score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and
+32, batched and row by row, and the ratio batched / row-by-row (the invariant mode's slowdown).
+The variants run round-robin, best of --repeats, so load from other processes hits each alike;
+it also checks that the row-by-row results are the batch-1 results bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from blockgen.harness.lm_eval_adapter import Window, score_windows
+from blockgen.models.sampling import SamplerConfig, generate
+
+from bench_sampling import tiny_model  # noqa: E402  (bench/ is the script's folder)
+
+NEW_TOKENS, PROMPT_LENGTHS, WINDOW_LENGTHS = 64, (32, 64), (48, 128)
+
+
+def _pool(n: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def best_of(repeats: int, runs: dict) -> dict:
+    """{key: best seconds}; the runs alternate round-robin."""
+    best = {key: float("inf") for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["micro", "tiny"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches, top = args.batch_sizes, max(args.batch_sizes)
+    prompts, texts = _pool(top, PROMPT_LENGTHS, 0), _pool(top, WINDOW_LENGTHS, 1)
+    samplers = {"arpc(3,3,0)": SamplerConfig("arpc", steps=3, ge=3, max_new_tokens=NEW_TOKENS),
+                "ancestral N4": SamplerConfig("ancestral", steps=4, max_new_tokens=NEW_TOKENS),
+                "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=NEW_TOKENS)}
+    print(f"batch invariance: batched vs row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
+          f"{NEW_TOKENS} new, L' = 16; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "
+          f"{torch.get_num_threads()} threads, best of {args.repeats}; load {os.getloadavg()[0]:.2f}")
+    header = ["model", "work", *(f"b{b} batched" for b in batches), *(f"b{b} per-row" for b in batches),
+              *(f"b{b} ratio" for b in batches)]
+    print(" | ".join(f"{h:>14}" for h in header))
+    with torch.inference_mode():
+        for size in args.sizes:
+            model = tiny_model(PROMPT_LENGTHS[1] + NEW_TOKENS, "masked", size)
+            generate(model, prompts[:2], SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0)  # warm-up
+            work = {name: (lambda b, inv, c=config: generate(model, prompts[:b], c, -1, 0, seeds=list(range(b)),
+                                                             batch_invariant=inv), True, "tok/s")
+                    for name, config in samplers.items()}
+            windows = [Window(tuple(t), 1) for t in texts]
+            work["likelihood"] = (lambda b, inv: score_windows(model, windows[:b], list(range(b)), 8, 0, inv), False, "win/s")
+            for name, (run, tokens, unit) in work.items():
+                runs = {(b, inv): (lambda b=b, inv=inv: run(b, inv)) for b in batches for inv in (False, True)}
+                best = best_of(args.repeats, runs)
+                per_row = NEW_TOKENS if tokens else 1  # tokens per row, or one window
+                rate = {key: key[0] * per_row / seconds for key, seconds in best.items()}
+                cells = [size, f"{name} {unit}", *(f"{rate[b, False]:.0f}" for b in batches),
+                         *(f"{rate[b, True]:.0f}" for b in batches), *(f"{rate[b, False] / rate[b, True]:.2f}" for b in batches)]
+                print(" | ".join(f"{c:>14}" for c in cells))
+                # the invariant mode reproduces batch 1 bit for bit
+                alone, together = run(1, False), run(top, True)
+                first = together.tokens[0] if tokens else together[0]
+                assert first == (alone.tokens[0] if tokens else alone[0]), f"{size} {name}: row 0 differs from batch 1"
+
+
+if __name__ == "__main__":
+    main()
