@@ -23,7 +23,7 @@ import torch
 from blockgen.harness.lm_eval_adapter import Window, score_windows
 from blockgen.models.sampling import SamplerConfig, generate
 
-from bench_sampling import tiny_model  # noqa: E402  (bench/ is the script's folder)
+from bench_sampling import tiny_model  # bench/ is on sys.path when the script runs
 
 NEW_TOKENS, PROMPT_LENGTHS, WINDOW_LENGTHS = 64, (32, 64), (48, 128)
 
