@@ -15,6 +15,7 @@ help:
 	@echo "Targets"
 	@echo "  setup          create $(VENV) and install blockgen (editable) with its test extras"
 	@echo "  demo           train the embedded demo models offline on CPU, sweep the samplers -> runs/demo/"
+	@echo "                 (SEEDS=3: each model trained with 3 seeds, findings judged across the runs -> runs/demo/findings.json)"
 	@echo "  sweep          the demo's sweep at T = 1.0 (the paper's) and 0.1 (reuses the demo's models and results)"
 	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env and browser first"
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
@@ -62,12 +63,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
+# SEEDS=3: every model trained with seeds 0, 1, 2 and the findings judged across the runs.
+SEEDS ?= 1
 demo: setup
-	$(BLOCKGEN) demo --out-dir runs/demo
+	$(BLOCKGEN) demo --out-dir runs/demo --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
 # The demo's models again (trained ones are reused) with the paper's GSM8K temperature beside 0.1.
 sweep: setup
-	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1
+	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1 --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
 test: setup vllm-env browser
 	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
     demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
                         help="the word-problem generator's level (default: the presets', 'easy')")
+    demo_p.add_argument("--seeds", type=int, nargs="+", default=list(DemoConfig.seeds),
+                        help="training seeds: every model trains once per seed (seed s > 0 under OUT_DIR/seed-s); "
+                             "with several, the findings across runs -> OUT_DIR/findings.json")
     sub.add_parser("presets", help="list the training presets as a table").add_argument(
         "--json", action="store_true", help="every setting of every preset, as one JSON object by name")
     check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU): training, generate(), lm_eval, scorers -> one JSON summary")
@@ -291,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         from blockgen.harness.demo import run_demo
 
         run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
-                            jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty))
+                            jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
+                            seeds=tuple(args.seeds)))
         return 0
     raise NotImplementedError(f"blockgen: subcommand {args.subcommand!r} is parsed but has no runner")
 

@@ -52,11 +52,16 @@ class DemoConfig:
     nfes: tuple[int, ...] = (4, 8, 16)
     difficulty: str | None = None  # the generator's level; None: the presets' ("easy")
     batch_size: int = 32
+    # Training seeds: one run of every model per seed (weights, batch order, noise; the same data).
+    # Seed 0 lives in out_dir itself, seed s > 0 in out_dir/seed-s, so one seed's demo is reused.
+    seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.nfes) - set(DIFFUSION_VARIANTS))
         if unknown:
             raise ValueError(f"no sampler variants for NFE {unknown}; choose from {sorted(DIFFUSION_VARIANTS)}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds={self.seeds}: need distinct seeds >= 0")
         if self.problems < 1 or self.jobs < 0:
             raise ValueError(f"problems={self.problems}, jobs={self.jobs}: need problems >= 1 and jobs >= 0")
 
@@ -70,12 +75,18 @@ def sampler_label(s: SamplerConfig) -> str:
     return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 
-def model_config(config: DemoConfig, name: str) -> TrainConfig:
+def seed_dir(out_dir: str | Path, seed: int) -> Path:
+    """Where the run of training seed `seed` lives: out_dir for seed 0, out_dir/seed-<seed> otherwise."""
+    return Path(out_dir) if seed == 0 else Path(out_dir) / f"seed-{seed}"
+
+
+def model_config(config: DemoConfig, name: str, seed: int = 0) -> TrainConfig:
     base = preset(name)
+    # One data cache for every seed: the seeds vary the training run, not the problems.
     data = replace(base.data, cache_dir=str(Path(config.out_dir) / "data"))
     if config.difficulty is not None:
         data = replace(data, difficulty=config.difficulty)
-    overrides = {"out_dir": str(Path(config.out_dir) / name), "data": data}
+    overrides = {"out_dir": str(seed_dir(config.out_dir, seed) / name), "data": data, "seed": seed}
     if config.max_steps is not None:
         overrides["max_steps"] = config.max_steps
     return replace(base, **overrides)
@@ -186,12 +197,28 @@ def usable_cores() -> int:
 
 
 def run_demo(config: DemoConfig) -> dict:
+    """Every seed's run in turn (each trains, evaluates and writes its leaderboard); with several
+    seeds, the findings across the runs (harness/findings.py) in out_dir/findings.json."""
+    summaries = {}
+    for i, seed in enumerate(config.seeds):
+        if len(config.seeds) > 1:
+            print(f"demo: training seed {seed} ({i + 1} of {len(config.seeds)}) -> {seed_dir(config.out_dir, seed)}", flush=True)
+        summaries[seed] = _run_seed(config, seed)
+    if len(config.seeds) == 1:
+        return summaries[config.seeds[0]]
+    from blockgen.harness.findings import write_findings
+
+    write_findings(config, [seed_dir(config.out_dir, seed) for seed in config.seeds])
+    return {"seeds": summaries}
+
+
+def _run_seed(config: DemoConfig, seed: int) -> dict:
     from blockgen.harness.data import get_tokenizer
     from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
 
-    out = Path(config.out_dir)
+    out = seed_dir(config.out_dir, seed)
     out.mkdir(parents=True, exist_ok=True)
-    models = {name: model_config(config, name) for name in config.presets}
+    models = {name: model_config(config, name, seed) for name in config.presets}
     levels = {m.data.difficulty for m in models.values()}
     if len(levels) != 1:
         raise ValueError(f"the demo's models train on different generator levels {sorted(levels)}; pass --difficulty")
@@ -291,7 +318,7 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                 else:
                     bar.write(f"{name:<16} {rest[0]:<30} accuracy {_pct(result['accuracy'])} ± {_pct(result['accuracy_stderr'])}")
     bar.close()
-    board = _leaderboard(config, models, summary, results_files, difficulty)
+    board = _leaderboard(config, out, models, summary, results_files, difficulty)
     summary_doc = {"provenance": _provenance(), "wall_seconds": round(time.perf_counter() - start, 1), "models": summary}
     (out / "summary.json").write_text(json.dumps(summary_doc, indent=2))
     _finish(board, out)
@@ -299,7 +326,7 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
     return summary_doc
 
 
-def _leaderboard(config: DemoConfig, models: dict[str, TrainConfig], summary: dict, results_files: dict, difficulty: str):
+def _leaderboard(config: DemoConfig, out: Path, models: dict[str, TrainConfig], summary: dict, results_files: dict, difficulty: str):
     from blockgen.harness.leaderboard import Leaderboard, Row, rows_from_results, write
 
     rows: list[Row] = []
@@ -313,14 +340,15 @@ def _leaderboard(config: DemoConfig, models: dict[str, TrainConfig], summary: di
         common = dict(model=name, task="wordproblems_validation_nll", higher_is_better=False, n=nll.get("sequences"),
                       prior=train_config.prior if train_config.block_sizes != (1,) else None,
                       block_sizes=list(train_config.block_sizes), block_weights=list(train_config.block_weights),
-                      train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(Path(config.out_dir) / "summary.json"),
+                      train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(out / "summary.json"),
                       note=note)
         rows += [Row(metric=metric, value=value, **common) for metric, value in nll.items() if metric.startswith("nll_")]
     board = Leaderboard(rows=rows, description=(
-        f"make demo: tiny models trained on the embedded word problems (level {difficulty!r}) on CPU, "
+        f"make demo: tiny models trained on the embedded word problems (level {difficulty!r}, training seed "
+        f"{next(iter(models.values())).seed}) on CPU, "
         f"gsm8k_code_embedded accuracy on {config.problems} held-out problems per sampler setting, "
         "validation NLL per token per block size and under the mixture bounds"), provenance=_provenance())
-    write(board, Path(config.out_dir) / "leaderboard.json")
+    write(board, out / "leaderboard.json")
     return board
 
 
