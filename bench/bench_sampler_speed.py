@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from blockgen.harness.demo import DEMO_MAX_GEN_TOKS, DIFFUSION_VARIANTS, sampler_label
+from blockgen.harness.demo import DEMO_MAX_GEN_TOKS, DIFFUSION_VARIANTS
+from blockgen.harness.grids import sampler_label
 from blockgen.models.sampling import SamplerConfig
 
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from blockgen.harness.grids import DEMO_MAX_GEN_TOKS
 from blockgen.harness.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
 from blockgen.harness.grids import demo_samplers as samplers_for
+from blockgen.harness.grids import sampler_label
 from blockgen.harness.presets import DEMO_PRESETS, WARM_STARTS, preset
 from blockgen.harness.train import TrainConfig
 from blockgen.models.sampling import SamplerConfig
@@ -64,15 +65,6 @@ class DemoConfig:
             raise ValueError(f"seeds={self.seeds}: need distinct seeds >= 0")
         if self.problems < 1 or self.jobs < 0:
             raise ValueError(f"problems={self.problems}, jobs={self.jobs}: need problems >= 1 and jobs >= 0")
-
-
-def sampler_label(s: SamplerConfig) -> str:
-    if s.name == "ar_greedy":
-        return s.name
-    if s.is_ar:
-        return f"{s.name}(T{s.temperature:g})"
-    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.name in ("eipc", "arpc") else ""
-    return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 
 def seed_dir(out_dir: str | Path, seed: int) -> Path:

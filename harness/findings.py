@@ -24,10 +24,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from blockgen.harness.compare import compare_accuracy, load_samples, mean_stderr, paired
-from blockgen.harness.grids import demo_samplers
+from blockgen.harness.grids import demo_samplers, sampler_label
 from blockgen.models.sampling import paper_nfe_per_block
 
-MASKED, UNIFORM, AR = "gsm-masked-mix", "gsm-uniform-mix", "gsm-ar"
+
+def roles(presets) -> dict[str, str]:
+    """The first masked mixture, uniform mixture and AR model among the presets: {"masked": name, ...}."""
+    from blockgen.harness.presets import preset
+
+    out: dict[str, str] = {}
+    for name in presets:
+        sizes, prior = preset(name).block_sizes, preset(name).prior
+        role = "ar" if tuple(sizes) == (1,) else prior if 1 in sizes and len(sizes) > 1 else None
+        if role is not None:
+            out.setdefault(role, name)
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,6 @@ class Pooled:
 
 def _labels(model_sizes: dict[str, tuple[int, ...]], temperatures, nfes) -> dict[tuple, str]:
     """(model, sampler name, NFE, temperature) -> the demo's results label of that setting."""
-    from blockgen.harness.demo import sampler_label
-
     out = {}
     for model, sizes in model_sizes.items():
         for s in demo_samplers(sizes, tuple(temperatures), tuple(nfes)):
@@ -77,11 +86,14 @@ def _labels(model_sizes: dict[str, tuple[int, ...]], temperatures, nfes) -> dict
     return out
 
 
-def demo_findings(temperatures, nfes) -> list[Finding]:
-    """The paper's GSM8K claims as paired differences between the demo's settings."""
+def demo_findings(presets, temperatures, nfes) -> list[Finding]:
+    """The paper's GSM8K claims as paired differences between the demo's settings (those whose
+    models are among the presets: a run without a uniform mixture has no masked-vs-uniform finding)."""
     from blockgen.harness.presets import preset
 
-    labels = _labels({m: preset(m).block_sizes for m in (MASKED, UNIFORM, AR)}, temperatures, nfes)
+    role = roles(presets)
+    labels = _labels({m: preset(m).block_sizes for m in role.values()}, temperatures, nfes)
+    MASKED, UNIFORM = role.get("masked"), role.get("uniform")
     out = []
 
     def add(claim: str, name: str, a: tuple, b: tuple, sign: int) -> None:
@@ -185,7 +197,7 @@ def plot(pooled: list[Pooled], path: Path) -> None:
 
 def write_findings(config, run_dirs: list[Path]) -> dict:
     out = Path(config.out_dir)
-    pooled = [pool(f, run_dirs) for f in demo_findings(config.temperatures, config.nfes)]
+    pooled = [pool(f, run_dirs) for f in demo_findings(config.presets, config.temperatures, config.nfes)]
     bounds = bound_checks(run_dirs)
     doc = {"runs": [str(r) for r in run_dirs], "seeds": list(config.seeds),
            "rule": "resolved: the t-interval over runs excludes 0 and every run's difference has the same sign",

@@ -50,6 +50,10 @@ class Grid:
     released: bool = False  # the paper's released checkpoints (harness/released.py), not this project's runs
     demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
     model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
+    # The likelihood settings' precision unless the sweep names one (--dtype). Full scale: bf16 autocast,
+    # which moved likelihoods by at most 1e-4 relative (docs/lm_eval.md, "bf16 against float32"); offline
+    # and CI grids: float32, in which their stored references were made.
+    likelihood_dtype: str = "float32"
 
     def run_name(self, model: str) -> str:
         """The model's run folder (its checkpoint, and its results folder under the results dir)."""
@@ -65,7 +69,7 @@ _GSM_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix")
 _OWT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
 # OWT's ARPC: the defaults at NFE 8-32 and the paper's NFE-64 variant with GE 2.
 _OWT_ARPC = (*_defaults("arpc", (8, 16, 32)), pick("arpc", 64, 60, 2, 52))
-_FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32)
+_FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32, likelihood_dtype="bfloat16")
 _OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, offline=True)
 
 # The demo's grid (`blockgen demo` schedules it on its own worker pool, harness/demo.py): per NFE the
@@ -89,6 +93,16 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
     out = [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=t)
            for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
     return out + ([ar_greedy] if 1 in block_sizes else [])
+
+
+def sampler_label(s: SamplerConfig) -> str:
+    """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row."""
+    if s.name == "ar_greedy":
+        return s.name
+    if s.is_ar:
+        return f"{s.name}(T{s.temperature:g})"
+    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.name in ("eipc", "arpc") else ""
+    return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 
 GRIDS: dict[str, Grid] = {

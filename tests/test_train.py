@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from blockgen.harness.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
+from blockgen.harness.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
 from blockgen.harness.data import DataConfig, get_tokenizer
 from blockgen.harness.prepare import load_examples
 from blockgen.harness.tokenizer import special_tokens
@@ -256,6 +256,21 @@ def test_demo_command_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert [p.stat().st_mtime_ns for p in results] == stamps
     assert leaderboard.read(out / "leaderboard.json").rows == rows
+    # A second training seed: seed 0 is the run above (kept as it is), seed 1 trains anew under
+    # seed-1/ with its own warm start, and the findings are pooled over the two runs.
+    seeds = subprocess.run([*cmd, "--seeds", "0", "1"], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
+    assert seeds.returncode == 0, seeds.stderr[-3000:]
+    assert [p.stat().st_mtime_ns for p in results] == stamps
+    second = json.loads((out / "seed-1" / "summary.json").read_text())["models"]
+    assert second["ci"]["init_from"] == str(out / "seed-1" / "ci-ar" / "checkpoint")
+    assert checkpoint_hash(out / "seed-1" / "ci" / "checkpoint") != checkpoint_hash(out / "ci" / "checkpoint")
+    assert "training seed 1" in leaderboard.read(out / "seed-1" / "leaderboard.json").description
+    findings = json.loads((out / "findings.json").read_text())
+    assert findings["runs"] == [str(out), str(out / "seed-1")]
+    assert {f["finding"]["name"] for f in findings["findings"]} >= {"masked: ARPC - ancestral, NFE 4, T 0.1",
+                                                                    "masked: ARPC NFE 4 - AR greedy, T 0.1"}
+    assert all(len(f["runs"]) == 2 for f in findings["findings"])
+    assert (out / "findings.png").is_file() and "findings across 2 runs" in seeds.stdout
 
 
 def test_demo_sweep_matches_the_paper_nfe_labels():
