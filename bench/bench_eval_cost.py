@@ -48,7 +48,7 @@ def load() -> str:
 
 def cases(grids: list[str]) -> dict[tuple[str, int], dict]:
     """(preset, batch) -> what the grids ask of it: K_MC, task, generation budget. The batch is the
-    grid's, and for generation the rows a call really gets (`eval_cost.generation_batch`)."""
+    grid's (one batch per sampler setting: per-row budgets share a batch)."""
     out: dict[tuple[str, int], dict] = {}
     for name in grids:
         g = GRIDS[name]
@@ -56,9 +56,7 @@ def cases(grids: list[str]) -> dict[tuple[str, int], dict]:
         for model in g.models:
             preset_name = model if g.demo else g.run_name(model)
             budget = eval_cost.new_tokens(g.generation_task, preset(preset_name).seq_len, cap)
-            gen_batch = eval_cost.generation_batch(g.generation_task, g.batch_size, cap)
-            for batch in {gen_batch} | ({g.batch_size} if g.likelihood_task else set()):
-                out.setdefault((preset_name, batch), dict(k_mc=g.k_mc, task=g.generation_task, budget=budget))
+            out.setdefault((preset_name, g.batch_size), dict(k_mc=g.k_mc, task=g.generation_task, budget=budget))
     return out
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_sampling.py                  # prompt 128 + 512 new tokens, L' = 16
     .venv/bin/python bench/bench_sampling.py --new-tokens 256 --repeats 1
     .venv/bin/python bench/bench_sampling.py --scaling           # generate() tokens/s vs batch size
+    .venv/bin/python bench/bench_sampling.py --overhead --base 3f168d8   # sampler overhead, base vs now
 
 For NFE per block in {4, 8, 16} it reports
 - tokens/s of block-by-block ancestral sampling with the KV cache vs recomputing the whole prefix at
@@ -16,14 +17,26 @@ Model: the tiny project config (vocab 512, 4 layers, d 192, 4 heads; block sizes
 With `--scaling` it instead reports generate()'s tokens/s at batch 1, 4, 16 and 64 side by side
 (micro and tiny sizes, prompts of mixed lengths 32-64 on the grid layout, 64 new tokens, per-row
 seeds), as a ratio to batch 1: how much batching pays, per-row randomness included.
+With `--overhead` it reports each sampler's **overhead ratio**: the wall time of generate() divided
+by the time spent inside the network's forward passes it made (`DiT.forward_cached`, timed around
+every call on the same tensors; ARPC's AR passes included), at batch 1 and 32, micro and tiny sizes.
+1.0 means every moment goes to the network; the rest is the sampler's own work (draws, posteriors,
+layouts, bookkeeping), which on a GPU also keeps the device waiting. `--base REV` runs the same
+measurement on a git revision's code (a temporary worktree) in alternation with the working tree's,
+and prints both side by side.
 EOS is disabled (eos_id = -1) so every run generates exactly the requested tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import torch
@@ -91,6 +104,77 @@ def scaling(batches: list[int], repeats: int, prior: str) -> None:
             print(" | ".join(f"{c:>13}" for c in cells))
 
 
+OVERHEAD_SAMPLERS = {"ancestral N4": SamplerConfig("ancestral", steps=4), "eipc N4 GE2": SamplerConfig("eipc", steps=4, ge=2),
+                     "arpc (3,2,1)": SamplerConfig("arpc", steps=3, ge=2, warmup=1), "ar_greedy": SamplerConfig("ar_greedy"),
+                     "ar_sample": SamplerConfig("ar_sample")}
+
+
+def overhead(repeats: int, batches=(1, 32), prompt_len: int = 32, new_tokens: int = 64) -> list[dict]:
+    """Per model size, batch and sampler: generate()'s wall time / time inside the network's forwards."""
+    rows = []
+    for size in ("micro", "tiny"):
+        model = tiny_model(prompt_len + new_tokens, "masked", size)
+        inside = [0.0]
+        network = model.dit.forward_cached
+
+        def timed_forward(*args, **kwargs):
+            start = time.perf_counter()
+            out = network(*args, **kwargs)
+            inside[0] += time.perf_counter() - start
+            return out
+
+        model.dit.forward_cached = timed_forward
+        gen = torch.Generator().manual_seed(0)
+        for batch in batches:
+            prompts = torch.randint(0, 512, (batch, prompt_len), generator=gen).tolist()
+            generate(model, prompts, SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0, seeds=list(range(batch)))
+            for name, config in OVERHEAD_SAMPLERS.items():
+                config = replace(config, max_new_tokens=new_tokens, temperature=0.7)
+                best = None
+                for _ in range(repeats):
+                    inside[0] = 0.0
+                    start = time.perf_counter()
+                    result = generate(model, prompts, config, -1, 0, seeds=list(range(batch)))
+                    wall = time.perf_counter() - start
+                    if best is None or wall < best["wall_s"]:
+                        best = {"size": size, "batch": batch, "sampler": name, "wall_s": wall, "network_s": inside[0],
+                                "calls": result.model_calls}
+                rows.append(best)
+    return rows
+
+
+def overhead_side_by_side(base: str, repeats: int, threads: int) -> None:
+    """The overhead table for `base` (a git revision) and the working tree, runs alternating."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree, package = Path(tmp) / "tree", Path(tmp) / "pkg"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "--quiet", str(tree), base], check=True)
+        try:
+            package.mkdir()
+            (package / "blockgen").symlink_to(tree)  # the base's modules shadow the editable install
+            variants = {base: {**os.environ, "PYTHONPATH": str(package)}, "now": dict(os.environ)}
+            best: dict[str, dict[tuple, dict]] = {v: {} for v in variants}
+            for _ in range(repeats):  # alternate: machine load hits both alike
+                for name, env in variants.items():
+                    out = subprocess.run([sys.executable, __file__, "--overhead", "--json", "--repeats", "1", "--threads", str(threads)],
+                                         env=env, cwd=tmp, capture_output=True, text=True, check=True).stdout
+                    for row in json.loads(out):
+                        key = (row["size"], row["batch"], row["sampler"])
+                        if key not in best[name] or row["wall_s"] < best[name][key]["wall_s"]:
+                            best[name][key] = row
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+    print(f"overhead ratio = generate() wall time / time inside the network's forwards; masked prior, prompt 32, "
+          f"64 new tokens, L' = 16, {threads} thread(s), best of {repeats} per variant, alternating; load1 {os.getloadavg()[0]:.2f}")
+    header = ["size", "batch", "sampler", f"{base} ratio", "now ratio", f"{base} ms/call", "now ms/call", "calls"]
+    print(" | ".join(f"{h:>14}" for h in header))
+    for key, now in best["now"].items():
+        old = best[base][key]
+        cells = [*key, f"{old['wall_s'] / old['network_s']:.2f}", f"{now['wall_s'] / now['network_s']:.2f}",
+                 f"{1e3 * old['wall_s'] / old['calls']:.2f}", f"{1e3 * now['wall_s'] / now['calls']:.2f}", now["calls"]]
+        print(" | ".join(f"{c:>14}" for c in cells))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -103,9 +187,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-full", action="store_true", help="skip the full-sequence comparison")
     parser.add_argument("--scaling", action="store_true", help="only the batch-size table (micro and tiny models)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="with --scaling")
+    parser.add_argument("--overhead", action="store_true", help="only the overhead ratios (micro and tiny, batch 1 and 32)")
+    parser.add_argument("--base", help="with --overhead: a git revision measured side by side with the working tree")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --overhead's rows, for --base
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.overhead:
+        if args.base:
+            overhead_side_by_side(args.base, args.repeats, args.threads)
+            return
+        with torch.inference_mode():
+            rows = overhead(args.repeats)
+        if args.json:
+            print(json.dumps(rows))
+            return
+        for row in rows:
+            print(f"{row['size']:>6} b{row['batch']:<3} {row['sampler']:<14} ratio {row['wall_s'] / row['network_s']:.2f} "
+                  f"{1e3 * row['wall_s'] / row['calls']:.2f} ms/call")
+        return
     if args.scaling:
         with torch.inference_mode():
             scaling(args.batch_sizes, args.repeats, args.prior)

@@ -157,20 +157,12 @@ def new_tokens(task: str, seq_len: int, max_gen_toks: int | None) -> int:
     return seq_len - 1 if "genppl" in task else seq_len - seq_len // 4
 
 
-def generation_batch(task: str, batch: int, max_gen_toks: int | None) -> int:
-    """Rows per generation call. gsm8k_code without a max_gen_toks gives every row its own budget (the
-    room its prompt leaves) and the adapter batches only rows with equal sampler settings, budget
-    included: about one row per call (the gsm8k-embedded sweep of 2026-11-26 ran 16 problems in 13
-    calls of generate); a cap (the demo's 80) gives most rows the same budget."""
-    return 1 if task.startswith("gsm8k_code") and max_gen_toks is None else batch
-
-
 CPU_ASSUMPTIONS = ("CPU-seconds = batched calls x seconds per call MEASURED by bench/bench_eval_cost.py "
                    "(random weights of each preset's shape at the grid's batch size; {measured}) + the sandbox per gsm8k "
                    "problem + a per-setting overhead per task measured on a real setting (lm-eval task building, "
                    "logging); rows = --limit, "
                    "else the task's documents; generation budget: owt fills the model, gsm8k 3/4 of its length "
-                   "(one row per call: per-row budgets split batches) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
+                   "(full batches: one batch per sampler setting, per-row budgets inside it) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
                    "(score, MAUVE features and MAUVE); model loads not counted")
 FULL_SCALE_ASSUMPTIONS = ("H200-hours DERIVED, not measured (released.plan_cost): a forward = 1/3 of the reference "
                           "bf16 H200 training step (0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024), "

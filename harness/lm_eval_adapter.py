@@ -12,8 +12,10 @@
   disjoint rolling windows (each token scored once). ``is_greedy`` comes from the AR pass (block
   size 1); without block size 1 in the mixture it is always False.
 - ``generate_until``: any sampler of `blockgen.models.sampling`, chosen by model arguments and
-  overridable per task through ``gen_kwargs``; requests are batched (``--batch_size``) with
-  lm-eval's `Collator`, grouped by task and sampler settings, longest prompt first.
+  overridable per task through ``gen_kwargs``; requests are batched (``gen_batch_size``, else
+  ``--batch_size``) with lm-eval's `Collator`, grouped by task and sampler settings except the
+  generation budget (``max_gen_toks``), longest prompt first: rows of one batch keep their own
+  budgets (gsm8k_code gives each its own), so one setting makes full batches.
 
 Reproducibility: every scored window and every generation request draws from its own generator,
 seeded from the run's seed and the request, so a result does not depend on the batch it ran in nor
@@ -113,6 +115,9 @@ class BlockGenLMArgs:
     # at batch 8-32 on a CPU, and about batch-size times the calls on CUDA, where a call costs about the
     # same at batch 1 and 64): docs/lm_eval.md, "Batch invariance".
     batch_invariant: bool | None = None
+    # Rows per generate_until batch; None: --batch_size (which, as in lm-eval's hf backend, sizes the
+    # log-likelihood batches). A positive integer; 'auto' is --batch_size's (leave this unset for it).
+    gen_batch_size: int | None = None
     # Released checkpoints only (harness/released.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
@@ -141,6 +146,8 @@ class BlockGenLMArgs:
         values = {k: v for k, v in kwargs.items() if v is not None}
         if "batch_size" in values:
             values["batch_size"] = _batch_size(values["batch_size"])
+        if "gen_batch_size" in values:
+            values["gen_batch_size"] = _gen_batch_size(values["gen_batch_size"])
         args = cls(**values)
         _check_int("k_mc", args.k_mc, 1)
         for name, low in (("seed", None), ("steps", 1), ("ge", 1), ("warmup", 0), ("nfe", 1), ("block_size", 1), ("max_gen_toks", 1)):
@@ -172,6 +179,17 @@ def _batch_size(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().split(":")[0] == "auto":
         return "auto"
     raise ValueError(f"batch_size={value!r}; choose a positive integer or 'auto'")
+
+
+def _gen_batch_size(value: Any) -> int:
+    """A positive integer. No 'auto': unset, generation follows --batch_size, whose 'auto' already
+    picks a size (`BlockGenLM._auto_batch_size`)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"gen_batch_size={value!r}; choose a positive integer, or leave gen_batch_size unset "
+                     "for generation batches of --batch_size (its 'auto' included)")
 
 
 def sampler_model_args(sampler: SamplerConfig) -> dict[str, Any]:
@@ -383,6 +401,7 @@ class Usage:
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, request type)
         self.generation: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, settings as JSON)
+        self.budgets: dict[tuple[str, str], int] = {}  # the same keys -> the largest max_gen_toks of their rows
         self.stderr: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(dict)  # doc -> per request
         self.disagreement: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)  # doc -> probability
         self.k_mc: int | None = None
@@ -394,9 +413,15 @@ class Usage:
         self.counts[task, kind].update(requests=1, truncated_requests=int(dropped > 0), truncated_tokens=dropped)
 
     def generated(self, task: str, settings: dict, result, requests: int, seconds: float) -> None:
-        self.generation[task, json.dumps(settings, sort_keys=True)].update(
+        """One batch. Its rows may have their own budgets (gsm8k_code): the record of a setting is keyed
+        without ``max_gen_toks`` and reports the largest budget its rows had (`report`), so one
+        setting stays one record however its rows' budgets were batched."""
+        key = task, json.dumps({k: v for k, v in settings.items() if k != "max_gen_toks"}, sort_keys=True)
+        self.generation[key].update(
             requests=requests, model_calls=result.model_calls, blocks=result.n_blocks,
             generated_tokens=sum(map(len, result.tokens)), generate_seconds=seconds)
+        if settings.get("max_gen_toks") is not None:
+            self.budgets[key] = max(self.budgets.get(key, 0), settings["max_gen_toks"])
 
     def scored(self, task: str, kind: str, doc: Any, scores: list[tuple[int, RequestScore]], k_mc: int) -> None:
         self.k_mc = k_mc
@@ -412,6 +437,8 @@ class Usage:
             for mine, theirs in ((out.counts, part.counts), (out.generation, part.generation)):
                 for key, counter in theirs.items():
                     mine[key].update(counter)
+            for key, budget in getattr(part, "budgets", {}).items():  # absent from a cache stored by older versions
+                out.budgets[key] = max(out.budgets.get(key, 0), budget)
             for mine, theirs in ((out.stderr, part.stderr), (out.disagreement, part.disagreement)):
                 for key, by_doc in theirs.items():
                     mine[key].update(by_doc)
@@ -423,7 +450,7 @@ class Usage:
     def only(self, task: str) -> "Usage":
         """The figures of one task (what `_settle_cache` stores beside lm-eval's cache)."""
         out = Usage()
-        for name in ("counts", "generation", "stderr", "disagreement"):
+        for name in ("counts", "generation", "budgets", "stderr", "disagreement"):
             getattr(out, name).update({key: value for key, value in getattr(self, name).items() if key[0] == task})
         out.k_mc = self.k_mc
         return out
@@ -434,7 +461,10 @@ class Usage:
             out[task][kind] = {name: counts[name] for name in self.COUNTS}
         for (task, key), counts in sorted(self.generation.items()):
             entry = out[task].setdefault("generate_until", {name: 0 for name in self.COUNTS})
-            row = {**json.loads(key), **{name: counts[name] for name in self.GENERATION}}
+            settings = json.loads(key)
+            if (task, key) in self.budgets:
+                settings = dict(sorted({**settings, "max_gen_toks": self.budgets[task, key]}.items()))
+            row = {**settings, **{name: counts[name] for name in self.GENERATION}}
             row["model_calls_per_block"] = row["model_calls"] / row["blocks"] if row["blocks"] else 0.0
             entry.setdefault("settings", []).append(row)
             for name in ("model_calls", "generated_tokens", "generate_seconds"):
@@ -533,7 +563,8 @@ class BlockGenLM(TemplateLM):
         changed = sorted(k for k in self.LOADED_ARGS if k in model_args and model_args[k] != getattr(self.args, k))
         if changed:
             raise ValueError(f"with_settings cannot change {changed}: they pick the loaded weights; build a new model")
-        kept = {k: getattr(self.args, k) for k in (*self.LOADED_ARGS, "seed", "batch_size", "device", "max_batch_size")}
+        kept = {k: getattr(self.args, k) for k in (*self.LOADED_ARGS, "seed", "batch_size", "gen_batch_size", "device",
+                                                    "max_batch_size")}
         args = BlockGenLMArgs.parse({**kept, **model_args})
         other = copy.copy(self)  # shallow: the model, tokenizer and process group are shared
         other.args = args
@@ -632,6 +663,11 @@ class BlockGenLM(TemplateLM):
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    @property
+    def gen_batch_size(self) -> int:
+        """Rows per generate_until batch: the gen_batch_size model argument, else the batch size."""
+        return self.args.gen_batch_size or self._batch_size
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string, add_special_tokens=False)
@@ -732,6 +768,7 @@ class BlockGenLM(TemplateLM):
                             "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
                 "batch_size": self._batch_size,  # the size used, also when --batch_size auto chose it
+                "gen_batch_size": self.gen_batch_size,  # rows per generation batch used (gen_batch_size, else batch_size)
                 "fingerprint": self.fingerprint,
                 "tasks": usage.report(),
             },
@@ -944,19 +981,21 @@ class BlockGenLM(TemplateLM):
             self.usage.request(plan.task, "generate_until", plan.dropped)
         self._warn_truncation("generate_until", [_owner(r) for r in requests], [p.dropped for p in plans],
                               "prompts were cut from the left to leave room for max_gen_toks")
-        # One batch: one task and one sampler setting, longest prompt first (lm-eval's Collator).
+        # One batch: one task and one sampler setting up to the budget, longest prompt first (lm-eval's
+        # Collator). Each row keeps its own budget (and its seed, derived from its own settings).
         collator = Collator(list(zip(requests, plans)), sort_fn=lambda item: (-len(item[1].prompt), item[1].prompt),
-                            group_fn=lambda item: {"task": item[1].task, **asdict(item[1].sampler)}, group_by="gen_kwargs")
+                            group_fn=lambda item: _batch_key(item[1]), group_by="gen_kwargs")
         out: list[str] = []
         bar = tqdm(total=len(requests), desc="blockgen generate_until", disable=disable_tqdm or self.rank != 0)
-        for batch in collator.get_batched(n=self.batch_size):
+        for batch in collator.get_batched(n=self.gen_batch_size):
             batch_plans = [plan for _, plan in batch]
-            sampler = batch_plans[0].sampler
+            budgets = [p.sampler.max_new_tokens for p in batch_plans]
+            sampler = replace(batch_plans[0].sampler, max_new_tokens=max(budgets))
             start = time.perf_counter()
             with self._precision():
                 result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
                                   stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans],
-                                  batch_invariant=self.batch_invariant["generation"])
+                                  max_new_tokens=budgets, batch_invariant=self.batch_invariant["generation"])
             self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):
@@ -1010,8 +1049,14 @@ def _owner(req) -> tuple[str, Any, int]:
     return req.task_name or "-", req.doc_id, req.idx
 
 
+def _batch_key(plan: _Plan) -> dict:
+    """What the rows of one generation batch share: the task and the sampler settings but the budget."""
+    return {"task": plan.task, **{k: v for k, v in asdict(plan.sampler).items() if k != "max_new_tokens"}}
+
+
 def _settings_record(config: BlockGenConfig, sampler: SamplerConfig) -> dict:
-    """The settings a batch really ran with, as the results JSON reports them."""
+    """The settings a batch really ran with, as the results JSON reports them (``max_gen_toks``: the
+    batch's largest budget; `Usage` reports the largest of a setting's rows)."""
     return {"sampler": sampler.name, "steps": sampler.steps, "ge": sampler.ge, "warmup": sampler.warmup,
             "temperature": sampler.temperature, "block_size": resolve_block_size(config, sampler),
             "layout": sampler.layout, "max_gen_toks": sampler.max_new_tokens,

@@ -133,13 +133,21 @@ def checkpoint_of(g: Grid, model: str, runs: str) -> str:
     return str(Path(runs) / g.run_name(model) / "checkpoint")
 
 
+def likelihood_args(g: Grid) -> tuple[tuple[str, Any], ...]:
+    """The likelihood setting's model arguments: the grid's, with its likelihood precision unless they
+    name a dtype (a sweep's --dtype) or it is float32 (no dtype argument: the float32 code path)."""
+    if "dtype" in dict(g.model_args) or DTYPES[check_dtype(g.likelihood_dtype)] == DTYPES["float32"]:
+        return g.model_args
+    return (*g.model_args, ("dtype", g.likelihood_dtype))
+
+
 def settings(g: Grid, runs: str = "runs") -> list[Setting]:
     """Every setting of a grid, deduplicated (the first of equal settings is kept), per model:
     likelihood first, then variant by variant, each at every temperature."""
     out: dict[str, Setting] = {}
     for model in g.models:
         run, ckpt = g.run_name(model), checkpoint_of(g, model, runs)
-        todo = [Setting(run, ckpt, g.likelihood_task, extra=g.model_args)] if g.likelihood_task else []
+        todo = [Setting(run, ckpt, g.likelihood_task, extra=likelihood_args(g))] if g.likelihood_task else []
         todo += [Setting(run, ckpt, g.generation_task, v, t, g.model_args)
                  for v in variants(g, model_block_sizes(g, model, ckpt)) for t in g.temperatures]
         for s in todo:
@@ -172,7 +180,6 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None) -> t
         v, cap = s.variant, dict(g.model_args).get("max_gen_toks")
         budget = eval_cost.new_tokens(s.task, config.seq_len, cap)
         kind, calls = eval_cost.generation_calls(v.sampler, v.steps, v.ge, v.warmup, max(sizes), budget)
-        batch = eval_cost.generation_batch(s.task, batch, cap)
     if rows is None:
         return None, f"all chunks x {calls} passes (count from the data: give --limit)"
     work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
@@ -194,6 +201,8 @@ def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None
     print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.offline else FULL_SCALE_ASSUMPTIONS), file=out)
     extra = dict(g.model_args)
     precision = extra.get("dtype", "float32") + (" + TF32" if extra.get("tf32") else "")
+    if "dtype" not in extra and g.likelihood_task and dict(likelihood_args(g)).get("dtype"):
+        precision += f", likelihoods {g.likelihood_dtype} (the grid's default)"
     print(f"# precision of this sweep: {precision} (--dtype, --tf32); "
           + ("rates measured in float32" if g.offline else "the derived figures assume bf16 matmuls"), file=out)
     for s in todo:
@@ -236,8 +245,9 @@ class SweepConfig:
     dry_run: bool = False
     progress: bool = True
     # the adapter's precision for every setting (harness/precision.py); other than float32, results go
-    # to folders named with it (`Setting.label`), so they never mix with float32 results
-    dtype: str = "float32"
+    # to folders named with it (`Setting.label`), so they never mix with float32 results. None: the
+    # grid's (float32, likelihoods of full-scale grids bfloat16: `Grid.likelihood_dtype`)
+    dtype: str | None = None
     tf32: bool = False
     seed: int | None = None  # lm_eval's --seed (`lm_eval_seeds`); None: lm-eval's defaults
 
@@ -255,7 +265,9 @@ class SweepConfig:
         for name in ("temperatures", "limit", "k_mc", "batch_size"):
             if getattr(self, name) is not None:
                 g = replace(g, **{name: getattr(self, name)})
-        other_dtype = DTYPES[check_dtype(self.dtype)] != DTYPES["float32"]
+        if self.dtype is not None:  # every setting, likelihoods included
+            g = replace(g, likelihood_dtype=check_dtype(self.dtype))
+        other_dtype = self.dtype is not None and DTYPES[check_dtype(self.dtype)] != DTYPES["float32"]
         precision = ((("dtype", self.dtype),) if other_dtype else ()) + ((("tf32", True),) if self.tf32 else ())
         g = replace(g, model_args=(*g.model_args, *precision))
         return g
@@ -500,8 +512,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metadata", type=json.loads, default={}, help="task metadata (JSON) for every setting, as lm_eval's")
     parser.add_argument("--dry-run", action="store_true", help="print one line per setting and the estimated cost; run nothing")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                        help="matmul precision of every setting (bfloat16: autocast; default float32)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="matmul precision of every setting (bfloat16: autocast); default: float32, but "
+                             "bfloat16 for the likelihoods of full-scale grids (owt, released-owt)")
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (opt-in: not measured on a GPU)")
     parser.add_argument("--seed", type=int, default=None,
                         help="as lm_eval's --seed: python, numpy, torch and few-shot seeds (default: lm-eval's 0,1234,1234,1234)")

@@ -60,8 +60,9 @@ def allowed(
     return torch.where(q_noisy, noisy_sees, clean_sees) & k_valid
 
 
-def dense_mask(queries: Layout, keys: Layout, causal_clean: bool) -> torch.Tensor:
-    """(B, 1, Nq, Nk) boolean SDPA mask. Padding queries attend to themselves only (never empty rows)."""
+def dense_mask(queries: Layout, keys: Layout, causal_clean: bool, query_offset: int | None = None) -> torch.Tensor:
+    """(B, 1, Nq, Nk) boolean SDPA mask. Padding queries attend to themselves only (never empty rows):
+    query i is key `query_offset + i` (default: the queries are the last Nq keys)."""
 
     def q(x: torch.Tensor) -> torch.Tensor:
         return x[:, :, None]
@@ -74,16 +75,13 @@ def dense_mask(queries: Layout, keys: Layout, causal_clean: bool) -> torch.Tenso
         k(keys.block_ids), k(keys.positions), k(keys.noisy), k(keys.valid),
         causal_clean,
     )
-    # A padding query (or one whose keys are all padding) would get an all-False row and NaNs.
+    # A padding query (or one whose keys are all padding) would get an all-False row and NaNs: it
+    # sees itself instead. Always applied (no `if empty.any()`: that would make a GPU wait on the host).
+    n_q, n_k = mask.shape[-2:]
+    offset = n_k - n_q if query_offset is None else query_offset
+    itself = torch.arange(n_k, device=mask.device)[None] == torch.arange(n_q, device=mask.device)[:, None] + offset
     empty = ~mask.any(dim=-1, keepdim=True)
-    if empty.any():
-        n_q, n_k = mask.shape[-2:]
-        diag = torch.zeros(n_q, n_k, dtype=torch.bool, device=mask.device)
-        offset = n_k - n_q  # queries are the last n_q keys
-        idx = torch.arange(n_q, device=mask.device)
-        diag[idx, idx + offset] = True
-        mask = torch.where(empty, diag, mask)
-    return mask[:, None]
+    return (mask | (empty & itself))[:, None]
 
 
 def training_layout(seq_len: int, block_size: int, device: torch.device | str = "cpu") -> Layout:

@@ -122,27 +122,72 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 @dataclass
 class KVCache:
-    """Keys and values of committed clean tokens, per layer, with their layout."""
+    """Keys and values of committed clean tokens, per layer, in buffers written in place.
 
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, N, D), rotary applied
+    Each layer's keys and values live in one (B, H, capacity, D) buffer allocated at the first call
+    (`capacity`: the slots a generation will need, which the sampler knows; a call that needs more
+    grows the buffers once). A call writes the keys and values of all its tokens at slots
+    `length, length + 1, ...` and attends to the slots written so far; only its first `n_commit`
+    tokens stay (`length` advances by n_commit), the rest are overwritten by the next call. No
+    `torch.cat` per block. `static=True` attends to every slot instead, the unwritten ones masked
+    out, so each call of a block size has the same shapes (what a captured CUDA graph needs); the
+    default slices, which on a CPU computes the same numbers as a cache of exactly the prefix.
+    """
+
+    capacity: int = 0
+    static: bool = False
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H, capacity, D), rotary applied
     values: list[torch.Tensor] = field(default_factory=list)
-    layout: Layout | None = None
+    layout: Layout | None = None  # (B, capacity) per field; slots >= the written ones are padding
+    length: int = 0  # committed slots
 
     def __len__(self) -> int:
-        return 0 if self.layout is None else self.layout.positions.shape[1]
+        return self.length
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer < len(self.keys):
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        else:
-            self.keys.append(k)
-            self.values.append(v)
+    def reserve(self, layout: Layout) -> Layout:
+        """Write the layout of a call's tokens at slots length.. (growing the buffers if needed);
+        returns the keys' layout the call attends to."""
+        b, n = layout.positions.shape
+        end = self.length + n
+        if self.layout is None or end > self.layout.positions.shape[1]:
+            self._grow(b, max(end, self.capacity), layout)
+        for buffer, new in zip(self.layout._fields(), layout._fields()):
+            buffer[:, self.length : end] = new
+        if self.static:
+            written = torch.arange(self.layout.valid.shape[1], device=layout.valid.device) < end
+            return Layout(*self.layout._fields()[:3], self.layout.valid & written)
+        return Layout(*(f[:, :end] for f in self.layout._fields()))
+
+    def _grow(self, batch: int, capacity: int, like: Layout) -> None:
+        old = self.layout
+        fields = [torch.zeros(batch, capacity, dtype=f.dtype, device=f.device) for f in like._fields()]
+        if old is not None:
+            for buffer, f in zip(fields, old._fields()):
+                buffer[:, : self.length] = f[:, : self.length]
+        self.layout = Layout(*fields)
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                grown = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
+                grown[:, :, : self.length] = t[:, :, : self.length]
+                store[i] = grown
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a call's keys and values (B, H, n, D) at slots length..; the keys and values to attend to."""
+        capacity = self.layout.positions.shape[1]
+        if layer == len(self.keys):
+            self.keys.append(k.new_zeros(*k.shape[:2], capacity, k.shape[3]))
+            self.values.append(v.new_zeros(*v.shape[:2], capacity, v.shape[3]))
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        if self.static:
+            return self.keys[layer], self.values[layer]
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache holding only the given batch rows (for dropping finished sequences)."""
         layout = None if self.layout is None else Layout(*(f[rows] for f in self.layout._fields()))
-        return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values], layout)
+        return KVCache(self.capacity, self.static, [k[rows] for k in self.keys], [v[rows] for v in self.values], layout, self.length)
 
 
 @functools.cache
@@ -167,14 +212,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = rotate(q, rotary), rotate(k, rotary)
         if cache is not None:
-            if layer < len(cache.keys):
-                k_all = torch.cat([cache.keys[layer], k], dim=2)
-                v_all = torch.cat([cache.values[layer], v], dim=2)
-            else:
-                k_all, v_all = k, v
-            if n_commit:
-                cache.append(layer, k[:, :, :n_commit], v[:, :, :n_commit])
-            k, v = k_all, v_all
+            k, v = cache.attend(layer, k, v)
         if isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -345,15 +383,19 @@ class DiT(nn.Module):
         cache: KVCache,
         n_commit: int = 0,
         sigma: torch.Tensor | None = None,
+        n_noisy: int | None = None,
     ) -> torch.Tensor:
         """Run new tokens against a KV cache; returns logits of the noisy tokens (which come last).
 
         `tokens` is `[clean (n_clean) ; noisy (n_noisy)]`. The first `n_commit` clean tokens are
         appended to the cache; the other clean tokens (e.g. an ARPC proposal) are seen by this call
-        only. Uses SDPA with a dense mask: at sampling time the query count is one block.
+        only. Uses SDPA with a dense mask: at sampling time the query count is one block. The
+        sampler passes `n_noisy` (it built the layout); without it it is read from the layout, a
+        host read that a GPU waits for.
         """
         layout = layout.expand(tokens.shape[0])
-        n_noisy = int(layout.noisy[0].sum())
+        if n_noisy is None:
+            n_noisy = int(layout.noisy[0].sum())
         if self.cfg.architecture == "ar":
             # The plain AR network never sees the placeholder: the noisy token at position p is
             # predicted by the output of the call's last clean token (position p - 1).
@@ -363,10 +405,9 @@ class DiT(nn.Module):
                                  f"got {n_clean} clean and {n_noisy} noisy tokens")
             layout = Layout(*(f[:, :n_clean] for f in layout._fields()))
             tokens, n_noisy = tokens[:, :n_clean], 1
-        keys = layout if cache.layout is None else cache.layout.cat(layout)
-        mask = dense_mask(layout, keys, self.cfg.causal_clean or self.cfg.architecture == "ar")
+        start = cache.length
+        keys = cache.reserve(layout)
+        mask = dense_mask(layout, keys, self.cfg.causal_clean or self.cfg.architecture == "ar", query_offset=start)
         logits = self._run(tokens, layout.positions, mask, cache, n_commit, n_noisy, sigma)
-        committed = Layout(*(f[:, :n_commit] for f in layout._fields()))
-        if n_commit:
-            cache.layout = committed if cache.layout is None else cache.layout.cat(committed)
+        cache.length += n_commit
         return logits

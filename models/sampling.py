@@ -75,7 +75,7 @@ one fewer than the label when the last step is informed; both are reported.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Sequence, get_args
 
 import torch
@@ -83,6 +83,7 @@ import torch
 from blockgen.models.attention import Layout
 from blockgen.models.backbone import KVCache
 from blockgen.models.diffusion import Prior, Randomness, RowGenerators, sample_categorical
+from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
 
 SamplerName = Literal["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]
@@ -260,6 +261,8 @@ class Decoder:
         block_size: int,
         use_cache: bool = True,
         tails: Sequence[Sequence[int]] | None = None,
+        capacity: int = 0,
+        static_shapes: bool = False,
     ):
         self.dit = model.dit
         self.prior: Prior = model.prior
@@ -269,7 +272,7 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.eps = model.schedule.eps
         self.calls = 0
-        self.cache = KVCache()
+        self.cache = KVCache(capacity, static_shapes)  # slots the generation will fill: allocated once
         n, width = len(prompts), max((len(p) for p in prompts), default=0)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         tokens = torch.full((n, width), pad_id, dtype=torch.long)
@@ -321,16 +324,16 @@ class Decoder:
         tokens, mask = self.fixed
         return torch.where(mask, tokens, z)
 
-    def _call(self, tokens: torch.Tensor, layout: Layout, sigma: torch.Tensor | None = None) -> torch.Tensor:
-        """One model call on `[queued clean ; tokens]`; returns the logits of the noisy tokens.
-        `sigma` (B,): the time conditioning, read only by time-conditioned networks (Duo)."""
+    def _call(self, tokens: torch.Tensor, layout: Layout, n_noisy: int, sigma: torch.Tensor | None = None) -> torch.Tensor:
+        """One model call on `[queued clean ; tokens]` whose last `n_noisy` tokens are noisy; returns
+        their logits. `sigma` (B,): the time conditioning, read only by time-conditioned networks (Duo)."""
         self.calls += 1
         n_clean = 0
         if self.clean is not None:
             clean_tokens, clean_layout = self.clean
             n_clean = clean_tokens.shape[1]
             tokens, layout = torch.cat([clean_tokens, tokens], dim=1), clean_layout.cat(layout)
-        extra = {} if sigma is None else {"sigma": sigma}
+        extra = {"n_noisy": n_noisy} if sigma is None else {"n_noisy": n_noisy, "sigma": sigma}
         if not self.use_cache:
             return self.dit.forward_cached(tokens, layout, KVCache(), 0, **extra)
         self.clean = None
@@ -344,7 +347,7 @@ class Decoder:
         sigma = None
         if alpha_t is not None and self.dit.cfg.time_conditioning:
             sigma = torch.full((self.batch,), -math.log(alpha_t), device=self.device)
-        return self._call(z, self._noisy_layout, sigma)
+        return self._call(z, self._noisy_layout, z.shape[1], sigma)
 
     def ar_pass(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, noisy tokens) of the AR pass (block size 1) over a clean proposal x (B, L').
@@ -358,7 +361,7 @@ class Decoder:
         if self._ar_layout is None or self._ar_layout.positions.shape[1] != 2 * n:
             clean = _rows(self.batch, self.next_pos, n, None, noisy=False)
             self._ar_layout = clean.cat(_rows(self.batch, self.next_pos, n, None, noisy=True))
-        return self._call(torch.cat([x, noise], dim=1), self._ar_layout), noise
+        return self._call(torch.cat([x, noise], dim=1), self._ar_layout, n), noise
 
     def commit(self, block: torch.Tensor) -> None:
         """Queue a finished clean block; it enters the cache with the next call."""
@@ -376,7 +379,7 @@ class Decoder:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch and cost nothing)."""
         rows = rows.to(self.device)
-        if len(self.cache):
+        if self.cache.layout is not None:
             self.cache = self.cache.select(rows)
         if self.clean is not None:
             tokens, layout = self.clean
@@ -420,9 +423,10 @@ def _informed_step(dec: Decoder, config: SamplerConfig, z, x_probs, i: int, gene
     prior, eps = dec.prior, dec.eps
     alpha_t, _ = step_alphas(i, config.steps, eps)
     x = dec.pin(ancestral_step(prior, z, x_probs, alpha_t, 1.0, generator))  # clean proposal ~ q_{0|t}
-    k = torch.tensor([renoise_count(i, config.steps, n, eps) for n in dec.generated], device=x.device)
-    if not k.any():  # the last step: nothing to re-noise, the scores (and ARPC's extra call) could change nothing
+    counts = [renoise_count(i, config.steps, n, eps) for n in dec.generated]  # known on the host: no read-back
+    if not any(counts):  # the last step: nothing to re-noise, the scores (and ARPC's extra call) could change nothing
         return x
+    k = torch.tensor(counts, device=x.device)
     if config.name == "eipc":
         score = torch.special.xlogy(x_probs, x_probs).sum(-1)  # negative entropy; 0 log 0 = 0
     else:
@@ -498,17 +502,20 @@ def generate(
     stop: StopFn | Sequence[StopFn | None] | None = None,
     *,
     seeds: Sequence[int] | None = None,
+    max_new_tokens: Sequence[int] | None = None,
     use_cache: bool = True,
     validate: bool = True,
     progress: Callable[[int], None] | None = None,
     trace: Callable[[int, int, torch.Tensor], None] | None = None,
     batch_invariant: bool = False,
+    static_shapes: bool = False,
 ) -> GenerationResult:
     """Continue each prompt with up to `config.max_new_tokens` tokens, block by block.
 
     A row stops at its first generated EOS (prompts are never inspected, so BOS == EOS is safe),
     when `stop(generated ids so far)` is true after a committed block (one callable for all rows or
-    one per row), or at max_new_tokens; finished rows leave the batch. Row i draws all its
+    one per row), or at its budget: `max_new_tokens[i]` (default `config.max_new_tokens` for every
+    row; rows of one batch may have different budgets); finished rows leave the batch. Row i draws all its
     randomness from a generator seeded `seeds[i]` (default `config.seed + i`), so with `seeds` its
     output does not depend on the batch it runs in. `validate=False` skips the checkpoint checks
     (e.g. the benchmark's untrained full-sequence block). `progress(n)` is called after each block
@@ -520,6 +527,10 @@ def generate(
     and order their sums by shape) compute the row bit for bit as they would alone. Costs one call
     per row instead of one per batch (bench/README.md, "Batch invariance"); model_calls and
     n_blocks are then summed over the rows.
+
+    `static_shapes=True` attends to the whole preallocated KV cache (unwritten slots masked), so every
+    call of a block size has the same tensor shapes, as a captured CUDA graph needs; the default
+    attends to the written slots only (same numbers up to float rounding, less work on a CPU).
     """
     block_size = check_config(model, config) if validate else resolve_block_size(model.config, config)
     paper = paper_nfe_per_block(config)
@@ -533,21 +544,24 @@ def generate(
         seeds = [config.seed + i for i in range(n)]
     elif len(seeds) != n:
         raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
-    limit = config.max_new_tokens
+    limits = [config.max_new_tokens] * n if max_new_tokens is None else [int(b) for b in max_new_tokens]
+    if len(limits) != n or min(limits) < 1:
+        raise ValueError(f"max_new_tokens: need {n} budgets >= 1, got {list(max_new_tokens)}")
     splits = [split_prompt(p, block_size, config.layout) for p in prompts]
-    # Blocks each row needs: its tail plus max_new_tokens, in whole blocks from its grid start.
-    need = [math.ceil((len(tail) + limit) / block_size) for _, tail in splits]
-    end = max(len(prefix) + b * block_size for (prefix, _), b in zip(splits, need))
-    if end > model.config.seq_len:
-        longest = max(len(p) for p in prompts)
+    # Blocks each row needs: its tail plus its budget, in whole blocks from its grid start.
+    need = [math.ceil((len(tail) + limit) / block_size) for (_, tail), limit in zip(splits, limits)]
+    ends = [len(prefix) + b * block_size for (prefix, _), b in zip(splits, need)]
+    if max(ends) > model.config.seq_len:
+        r = ends.index(max(ends))
         raise ValueError(
-            f"prompt length {longest} + max_new_tokens {limit} in blocks of {block_size} (layout {config.layout!r}) "
-            f"exceeds the model's seq_len {model.config.seq_len}; truncate prompts to {max_prompt_len(model.config, config)} "
-            f"tokens or ask for fewer new tokens"
+            f"prompt length {len(prompts[r])} + max_new_tokens {limits[r]} in blocks of {block_size} (layout {config.layout!r}) "
+            f"exceeds the model's seq_len {model.config.seq_len}; truncate prompts to "
+            f"{max_prompt_len(model.config, replace(config, max_new_tokens=limits[r]))} tokens or ask for fewer new tokens"
         )
     if batch_invariant and n > 1:
-        rows = [generate(model, [p], config, eos_id, pad_id, [s], seeds=[seed], use_cache=use_cache, validate=False,
-                         progress=progress, trace=trace) for p, s, seed in zip(prompts, stops, seeds)]
+        rows = [generate(model, [p], config, eos_id, pad_id, [s], seeds=[seed], max_new_tokens=[limit], use_cache=use_cache,
+                         validate=False, progress=progress, trace=trace, static_shapes=static_shapes)
+                for p, s, seed, limit in zip(prompts, stops, seeds, limits)]
         calls, blocks = sum(r.model_calls for r in rows), sum(r.n_blocks for r in rows)
         return GenerationResult([r.tokens[0] for r in rows], calls, calls / blocks, paper, block_size, blocks,
                                 [r.finish_reasons[0] for r in rows])
@@ -556,7 +570,10 @@ def generate(
     was_training = model.training
     model.eval()  # dropout off while sampling; restored below
     try:
-        dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits])
+        # Cache slots: the longest prefix, the blocks, and one call's new tokens (ARPC: 2 L').
+        capacity = max(len(prefix) for prefix, _ in splits) + (max(need) + 2) * block_size
+        dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits],
+                      capacity, static_shapes)
         sample_block = ar_token if config.is_ar else diffusion_block
         active = list(range(n))  # original index of each batch row
         out: list[list[int]] = [[] for _ in range(n)]
@@ -568,9 +585,9 @@ def generate(
             blocks += 1
             dec.commit(block)
             keep = []
-            for r, row in enumerate(block.tolist()):
+            for r, row in enumerate(to_host(block)):  # the block's one read-back
                 i = active[r]
-                new = row[skip[r] :][: limit - len(out[i])]
+                new = row[skip[r] :][: limits[i] - len(out[i])]
                 if eos_id in new:
                     out[i] += new[: new.index(eos_id)]
                     reasons[i] = "eos"
@@ -578,7 +595,7 @@ def generate(
                 out[i] += new
                 if stops[i] is not None and stops[i](out[i]):
                     reasons[i] = "stop"
-                elif len(out[i]) < limit:
+                elif len(out[i]) < limits[i]:
                     keep.append(r)
             if progress is not None:
                 progress(block_size - min(skip))

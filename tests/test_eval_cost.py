@@ -183,9 +183,10 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     todo = {(s.run, s.label): s for s in sweep.settings(g)}
     seconds, what = sweep.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
     per_block = calls_per_block(SamplerConfig("arpc", steps=6, ge=3, warmup=0, block_size=16), 16)
-    # 16 problems, one per call (each its own budget), a budget of 128 - 128 // 4 tokens in blocks of 16
-    calls = 16 * per_block * math.ceil(96 / 16)
-    rate, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 1)
+    # 16 problems in full batches (one batch per setting, per-row budgets inside it), a budget of
+    # 128 - 128 // 4 tokens in blocks of 16
+    calls = math.ceil(16 / g.batch_size) * per_block * math.ceil(96 / 16)
+    rate, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", g.batch_size)
     # besides the model calls: each problem's program in the sandbox, and the setting's fixed overhead
     extra = 16 * eval_cost.CPU_SANDBOX_PROGRAM_S + eval_cost.CPU_SETTING_OVERHEAD_S["gsm8k_code_embedded"]
     assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
@@ -196,7 +197,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     assert eval_cost.Work("likelihood", 16, 8, eval_cost.likelihood_passes((1, 16), 2)).batched_calls == 2 * 3
     assert eval_cost.likelihood_passes((1, 2, 4, 8, 16), 8) == 33  # mix-flat at K_MC 8
     scaled, note = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 2)
-    assert note == "rate scaled from batch 1" and scaled.call_s == pytest.approx(2 * rate.call_s)
+    single, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 1)
+    assert note == "rate scaled from batch 1" and scaled.call_s == pytest.approx(2 * single.call_s)
     assert eval_cost.cpu_rate("no-such-preset", 8) == (None, "no measured rate for no-such-preset")
 
 
@@ -231,3 +233,21 @@ def test_sweep_precision_reaches_every_setting_and_its_own_folders():
     assert "# precision of this sweep: bfloat16" in text.getvalue() and "-T0.1-bfloat16  T=0.1" in text.getvalue()
     with pytest.raises(SystemExit):
         cli.main(["sweep", "gsm8k-embedded", "--dry-run", "--dtype", "float16"])
+
+
+def test_full_scale_likelihoods_default_to_bf16_and_generation_stays_float32():
+    """Full-scale grids score likelihoods under bf16 autocast unless --dtype says otherwise (measured:
+    within 1e-4 relative); their sampling, and every offline/CI grid, stays float32."""
+    from blockgen.harness.sweep import SweepConfig
+
+    full = sweep.settings(SweepConfig("owt").resolved_grid())
+    likelihood = [s for s in full if s.variant is None]
+    assert likelihood and all(dict(s.extra)["dtype"] == "bfloat16" and s.label == "likelihood-bfloat16" for s in likelihood)
+    assert all("dtype" not in dict(s.extra) for s in full if s.variant is not None)
+    assert all("dtype" not in dict(s.extra) for s in sweep.settings(SweepConfig("owt-embedded").resolved_grid()))
+    for asked in ("float32", "auto"):  # an explicit float32 wins: the float32 code path, its own folders
+        assert all("dtype" not in dict(s.extra) for s in sweep.settings(SweepConfig("owt", dtype=asked).resolved_grid()))
+    text = io.StringIO()
+    with redirect_stdout(text):
+        assert cli.main(["sweep", "owt", "--dry-run"]) == 0
+    assert "# precision of this sweep: float32, likelihoods bfloat16 (the grid's default)" in text.getvalue()

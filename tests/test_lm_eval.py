@@ -300,6 +300,96 @@ def test_batched_generation_makes_fewer_calls(ckpts):
     assert first != second  # the second copy of each request is a second sample
 
 
+def _budget_requests(budgets: list[int], task: str = "toy_budgets"):
+    """One generate_until request per document of one task, each with its own max_gen_toks (as
+    gsm8k_code gives each document the room its prompt leaves) and no stop string."""
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="generate_until", doc={}, idx=0, metadata=(task, d, 1),
+                     arguments=(PROMPTS[d % len(PROMPTS)], {"until": [], "max_gen_toks": b})) for d, b in enumerate(budgets)]
+
+
+def _counting_generate(monkeypatch) -> list[dict]:
+    """Record every call of `generate` the adapter makes: its rows' budgets, seeds and generated ids."""
+    import blockgen.harness.lm_eval_adapter as adapter
+
+    calls, real = [], adapter.generate
+
+    def counted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append({"budgets": list(kwargs["max_new_tokens"]), "seeds": list(kwargs["seeds"]), "tokens": result.tokens,
+                      "config_budget": args[2].max_new_tokens, "model_calls": result.model_calls})
+        return result
+
+    monkeypatch.setattr(adapter, "generate", counted)
+    return calls
+
+
+BUDGETS = [3, 17, 9, 24, 5, 12, 20, 7, 14, 11]  # ten documents, ten budgets
+
+
+def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
+    """Documents of one task whose budgets all differ share batches: ceil(n / gen_batch_size) calls of
+    `generate` (gen_batch_size, not batch_size), each row within its own budget and seeded as alone
+    (its seed derives from its own settings, budget included); one usage record for the setting."""
+    from dataclasses import asdict, replace
+
+    from blockgen.harness.lm_eval_adapter import derive_seed
+
+    calls = _counting_generate(monkeypatch)
+    lm = _lm(ckpts["mixture"], batch_size=1, gen_batch_size=4, seed=1, steps=2, batch_invariant=False)
+    reqs = _budget_requests(BUDGETS)
+    texts = lm.generate_until(reqs)
+    assert len(calls) == math.ceil(len(BUDGETS) / 4) == 3 and [len(c["budgets"]) for c in calls] == [4, 4, 2]
+    rows = {seed: (budget, ids) for c in calls for seed, budget, ids in zip(c["seeds"], c["budgets"], c["tokens"])}
+    for c in calls:
+        assert c["config_budget"] == max(c["budgets"])  # the batch's SamplerConfig carries its largest budget
+    assert len(rows) == len(BUDGETS)
+    for req, budget, text in zip(reqs, BUDGETS, texts):
+        context = req.args[0]
+        prompt = lm._with_bos(lm.tok_encode(context))
+        seed = derive_seed(lm.args.seed, "generate_until", prompt, asdict(replace(lm.sampler, max_new_tokens=budget)), req.doc_id, 0)
+        row_budget, ids = rows[seed]
+        assert row_budget == budget and len(ids) <= budget, (req.doc_id, budget, len(ids))
+        assert text == lm._decode(ids)
+    assert sum(len(ids) == budget for budget, ids in rows.values()) >= len(BUDGETS) // 2  # budgets reached, not cut short
+    (record,) = lm.usage.report()["toy_budgets"]["generate_until"]["settings"]
+    assert record["requests"] == len(BUDGETS) and record["max_gen_toks"] == max(BUDGETS)
+    assert record["model_calls"] == sum(c["model_calls"] for c in calls)
+    assert record["generated_tokens"] == sum(len(ids) for _, ids in rows.values())
+    info = lm.get_model_info()["blockgen"]
+    assert (info["batch_size"], info["gen_batch_size"]) == (1, 4)
+
+
+def test_mixed_budget_batches_are_bitwise_the_rows_alone(ckpts, monkeypatch):
+    """batch_invariant=true: batches that mix budgets give, row for row, the texts of batches of one
+    (gen_batch_size=1: one call per document); without gen_batch_size, batch_size sizes the batches."""
+    calls = _counting_generate(monkeypatch)
+    runs = {}
+    for model_args in ({"gen_batch_size": 1, "batch_size": 16}, {"gen_batch_size": len(BUDGETS)}, {"batch_size": 3}):
+        calls.clear()
+        lm = _lm(ckpts["mixture"], seed=4, steps=2, batch_invariant=True, **model_args)
+        runs[json.dumps(model_args)] = (lm.generate_until(_budget_requests(BUDGETS)), len(calls))
+    (alone, n_alone), (together, n_together), (by_batch_size, n_by_batch_size) = runs.values()
+    assert (n_alone, n_together, n_by_batch_size) == (len(BUDGETS), 1, math.ceil(len(BUDGETS) / 3))
+    assert together == alone and by_batch_size == alone
+
+
+def test_gen_batch_size_is_validated(ckpts):
+    from lm_eval.api.registry import get_model
+
+    cls = get_model("blockgen")
+    for value in ("0", "-2", "auto", "x", "1.5"):
+        with pytest.raises(ValueError) as err:
+            cls.create_from_arg_string(f"pretrained={ckpts['mixture']},gen_batch_size={value}", {"device": "cpu"})
+        assert "; choose a positive integer, or leave gen_batch_size unset for generation batches of --batch_size" in str(err.value)
+        assert str(err.value).startswith("gen_batch_size="), str(err.value)
+    lm = cls.create_from_arg_string(f"pretrained={ckpts['mixture']},gen_batch_size=5", {"device": "cpu", "batch_size": 2})
+    assert (lm.batch_size, lm.gen_batch_size) == (2, 5)
+    assert lm.with_settings(steps=2).gen_batch_size == 5  # kept, as the batch size is
+    assert _lm(ckpts["mixture"], batch_size=3).gen_batch_size == 3  # unset: the batch size
+
+
 def test_documents_with_one_prompt_draw_their_own_samples(ckpts):
     """Unconditional sampling (owt_genppl): every document has the same empty prompt. Seeds derive from
     the global document id, so the samples differ, and a document's sample is the same whichever

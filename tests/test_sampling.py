@@ -300,7 +300,7 @@ class Script:
         self.batches: list[int] = []
         self.kinds: list[str] = []
 
-    def __call__(self, tokens, layout, cache, n_commit=0):
+    def __call__(self, tokens, layout, cache, n_commit=0, n_noisy=None, sigma=None):
         layout = layout.expand(tokens.shape[0])
         noisy = layout.noisy[0]
         pos = layout.positions[:, noisy]
@@ -365,7 +365,7 @@ def scripted_informed_model(name: str, prior: str, monkeypatch) -> BlockGen:
     else:  # diffusion confidence decreasing with the position, every entropy far below the grid
         real = Script(vocab, lambda pos: 3 + pos % 5)
 
-        def script(tokens, layout, cache, n_commit=0):
+        def script(tokens, layout, cache, n_commit=0, **kwargs):
             logits = real(tokens, layout, cache, n_commit)
             expanded = layout.expand(tokens.shape[0])
             noisy = expanded.noisy[0]
