@@ -9,9 +9,12 @@ Stages (each one's failure is recorded in the summary and the others still run):
   estimate of harness/train.py. Random tokens: the cost of a step does not depend on the text, and the
   check needs neither the hub nor a prepared corpus. GPU: the paper's model (12 x 768) at L = 1,024 with
   GPT-2's vocabulary size; CPU: the micro model.
-- generate: `generate()` tokens/s at batch 1 and 64 for AR greedy (the plain AR baseline), ARPC and
-  ancestral (a BlockGen mixture of block sizes 1 and 16) with random weights; no EOS, so every row
-  makes all its tokens.
+- generate: `generate()` tokens/s and ms per model call at batch 1 and 64 for AR greedy (the plain AR
+  baseline), ARPC and ancestral (a BlockGen mixture of block sizes 1 and 16) with random weights; no
+  EOS, so every row makes all its tokens. GPU: AR greedy and ARPC also with `compile=True` (the calls
+  compiled and replayed as CUDA graphs), side by side with eager runs made just before (`graphs`:
+  ms per call, tokens/s, speed-up, compile time, rows whose tokens match eager). CPU: not measured
+  (compiling takes minutes there, and a CPU has no CUDA graphs).
 - lm_eval: a small model trained by the real `blockgen train` (preset `ci`) on this device, then
   `lm_eval --model blockgen --device DEVICE --tasks gsm8k_code_embedded` on it (the score of a model this
   small is near 0: the stage checks the path, not the accuracy).
@@ -185,12 +188,43 @@ def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path) ->
             "vocab_size": scale.vocab_size, "peak_tflops": None if peak is None else peak / 1e12, "runs": runs}
 
 
+GRAPH_SAMPLERS = ("ar_greedy", "arpc")  # the samplers timed with compile=True as well (GPU)
+
+
+def _timed_generate(model, prompts: list[list[int]], sampler_config, device: str, compile: bool = False):
+    """(result, seconds) of one `generate` call; no EOS (-1), so every row makes all its tokens."""
+    from blockgen.models.sampling import generate
+
+    _sync(device)
+    start = time.perf_counter()
+    result = generate(model, prompts, sampler_config, eos_id=-1, pad_id=0, compile=compile)
+    _sync(device)
+    return result, time.perf_counter() - start
+
+
+def _graph_run(model, prompts: list[list[int]], sampler_config, device: str) -> dict:
+    """Eager against compile=True (CUDA graphs) on the same prompts: the first compiled run compiles
+    and records the graphs (`compile_seconds`, generation included); the next one is timed, after a
+    warm eager run."""
+    eager, eager_s = _timed_generate(model, prompts, sampler_config, device)
+    _, compile_s = _timed_generate(model, prompts, sampler_config, device, compile=True)
+    compiled, compiled_s = _timed_generate(model, prompts, sampler_config, device, compile=True)
+    tokens = sum(len(t) for t in eager.tokens)
+    return {
+        "model_calls": eager.model_calls, "compile_seconds": compile_s,
+        "eager_ms_per_call": eager_s / eager.model_calls * 1e3, "compiled_ms_per_call": compiled_s / compiled.model_calls * 1e3,
+        "eager_tokens_per_s": tokens / eager_s, "compiled_tokens_per_s": tokens / compiled_s, "speedup": eager_s / compiled_s,
+        "rows_same_tokens": sum(a == b for a, b in zip(eager.tokens, compiled.tokens)),
+    }
+
+
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path) -> dict:
     from blockgen.harness.train import TrainConfig, enable_tf32
     from blockgen.models.model import BlockGen
-    from blockgen.models.sampling import SamplerConfig, generate
+    from blockgen.models.sampling import SamplerConfig
 
-    if device.startswith("cuda"):
+    cuda = device.startswith("cuda")
+    if cuda:
         enable_tf32()
     base = TrainConfig(size=scale.size, seq_len=scale.seq_len)
     models = {
@@ -206,7 +240,8 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path)
     for name, train_config in models.items():
         torch.manual_seed(config.seed)
         built[name] = BlockGen(train_config.model_config(scale.vocab_size, {}, device)).to(device).eval()
-    rows = []
+    rows, graph_rows = [], []
+    graph_batches = (min(config.generate_batches), max(config.generate_batches))
     gen = torch.Generator().manual_seed(config.seed)
     for sampler, (model_name, sampler_config) in samplers.items():
         for batch in config.generate_batches:
@@ -215,19 +250,29 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path)
             try:
                 prompts = torch.randint(0, scale.vocab_size, (batch, scale.prompt_len), generator=gen).tolist()
                 sampler_config = replace(sampler_config, max_new_tokens=scale.new_tokens)
-                _sync(device)
-                start = time.perf_counter()
-                result = generate(built[model_name], prompts, sampler_config, eos_id=-1, pad_id=0)  # -1: no EOS stops a row
-                _sync(device)
-                seconds = time.perf_counter() - start
+                result, seconds = _timed_generate(built[model_name], prompts, sampler_config, device)
                 tokens = sum(len(t) for t in result.tokens)
                 row.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, model_calls=result.model_calls,
-                           paper_nfe_per_block=result.paper_nfe_per_block)
+                           ms_per_call=seconds / result.model_calls * 1e3, paper_nfe_per_block=result.paper_nfe_per_block)
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+                continue
+            if cuda and sampler in GRAPH_SAMPLERS and batch in graph_batches:
+                graph_row: dict = {"sampler": sampler, "batch": batch}
+                graph_rows.append(graph_row)
+                try:
+                    graph_row.update(_graph_run(built[model_name], prompts, sampler_config, device))
+                except Exception as err:  # noqa: BLE001 - a failing compile is a finding: the row says so
+                    graph_row["error"] = row["error"] = f"compile=True: {type(err).__name__}: {str(err)[:500]}"
+    if cuda:
+        graphs: dict = {"measured": True, "mode": "reduce-overhead (CUDA graphs)", "runs": graph_rows}
+        torch._dynamo.reset()  # the graphs and their memory pools go with the models
+    else:
+        graphs = {"measured": False, "why": "CPU mode: generate(compile=True) is not timed (compiling takes minutes on "
+                  "a CPU, which has no CUDA graphs); `make gpu-check` on a GPU measures it"}
     del built
     _free(device)
-    return {"size": scale.size, "prompt_len": scale.prompt_len, "runs": rows}
+    return {"size": scale.size, "prompt_len": scale.prompt_len, "runs": rows, "graphs": graphs}
 
 
 def _bin(name: str) -> str:

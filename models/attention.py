@@ -60,9 +60,10 @@ def allowed(
     return torch.where(q_noisy, noisy_sees, clean_sees) & k_valid
 
 
-def dense_mask(queries: Layout, keys: Layout, causal_clean: bool, query_offset: int | None = None) -> torch.Tensor:
+def dense_mask(queries: Layout, keys: Layout, causal_clean: bool, query_offset: int | torch.Tensor | None = None) -> torch.Tensor:
     """(B, 1, Nq, Nk) boolean SDPA mask. Padding queries attend to themselves only (never empty rows):
-    query i is key `query_offset + i` (default: the queries are the last Nq keys)."""
+    query i is key `query_offset + i` (default: the queries are the last Nq keys; a 0-dim tensor: a
+    static cache's offset, kept on the device)."""
 
     def q(x: torch.Tensor) -> torch.Tensor:
         return x[:, :, None]

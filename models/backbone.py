@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -129,9 +130,14 @@ class KVCache:
     grows the buffers once). A call writes the keys and values of all its tokens at slots
     `length, length + 1, ...` and attends to the slots written so far; only its first `n_commit`
     tokens stay (`length` advances by n_commit), the rest are overwritten by the next call. No
-    `torch.cat` per block. `static=True` attends to every slot instead, the unwritten ones masked
-    out, so each call of a block size has the same shapes (what a captured CUDA graph needs); the
-    default slices, which on a CPU computes the same numbers as a cache of exactly the prefix.
+    `torch.cat` per block. The default slices the buffers at the host's `length`, which on a CPU
+    computes the same numbers as a cache of exactly the prefix.
+
+    `static=True` (`DiT.forward_static`) is what a captured CUDA graph needs: every call attends to
+    every slot, the unwritten ones masked out, and writes at `start` (a 0-dim device tensor that
+    follows `length`; the host never reads it back, it knows `length`) with `index_copy_`, so the
+    tensors of a call depend only on (batch, query tokens, capacity), never on how far the
+    generation has come. Its buffers are marked static addresses (written in place by a graph).
     """
 
     capacity: int = 0
@@ -140,23 +146,34 @@ class KVCache:
     values: list[torch.Tensor] = field(default_factory=list)
     layout: Layout | None = None  # (B, capacity) per field; slots >= the written ones are padding
     length: int = 0  # committed slots
+    start: torch.Tensor | None = None  # static: `length` as a 0-dim long tensor on the device
 
     def __len__(self) -> int:
         return self.length
 
     def reserve(self, layout: Layout) -> Layout:
         """Write the layout of a call's tokens at slots length.. (growing the buffers if needed);
-        returns the keys' layout the call attends to."""
+        returns the keys' layout the call attends to (the default, sliced mode)."""
+        end = self.prepare(layout)
+        for buffer, new in zip(self.layout._fields(), layout._fields()):
+            buffer[:, self.length : end] = new
+        return Layout(*(f[:, :end] for f in self.layout._fields()))
+
+    def prepare(self, layout: Layout) -> int:
+        """Allocate (or grow) the buffers for a call of `layout`'s tokens; returns the end slot (host)."""
         b, n = layout.positions.shape
         end = self.length + n
         if self.layout is None or end > self.layout.positions.shape[1]:
             self._grow(b, max(end, self.capacity), layout)
-        for buffer, new in zip(self.layout._fields(), layout._fields()):
-            buffer[:, self.length : end] = new
-        if self.static:
-            written = torch.arange(self.layout.valid.shape[1], device=layout.valid.device) < end
-            return Layout(*self.layout._fields()[:3], self.layout.valid & written)
-        return Layout(*(f[:, :end] for f in self.layout._fields()))
+        if self.static and self.start is None:
+            self.start = torch.full((), self.length, dtype=torch.long, device=layout.positions.device)
+        return end
+
+    def advance(self, n_commit: int) -> None:
+        """Keep a call's first n_commit tokens."""
+        self.length += n_commit
+        if self.start is not None and n_commit:
+            self.start.add_(n_commit)  # in place: no read-back, the same tensor every call
 
     def _grow(self, batch: int, capacity: int, like: Layout) -> None:
         old = self.layout
@@ -170,6 +187,14 @@ class KVCache:
                 grown = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
                 grown[:, :, : self.length] = t[:, :, : self.length]
                 store[i] = grown
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """Static mode: a compiled call writes these buffers in place; a CUDA graph may keep their
+        addresses (not guarded: a new buffer re-records a graph, it never recompiles)."""
+        if self.static:
+            for t in (*self.layout._fields(), *self.keys, *self.values):
+                torch._dynamo.mark_static_address(t, guard=False)
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a call's keys and values (B, H, n, D) at slots length..; the keys and values to attend to."""
@@ -180,14 +205,61 @@ class KVCache:
         end = self.length + k.shape[2]
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
-        if self.static:
-            return self.keys[layer], self.values[layer]
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def select(self, rows: torch.Tensor) -> "KVCache":
         """A cache holding only the given batch rows (for dropping finished sequences)."""
         layout = None if self.layout is None else Layout(*(f[rows] for f in self.layout._fields()))
-        return KVCache(self.capacity, self.static, [k[rows] for k in self.keys], [v[rows] for v in self.values], layout, self.length)
+        start = None if self.start is None else self.start.clone()
+        cache = KVCache(self.capacity, self.static, [k[rows] for k in self.keys], [v[rows] for v in self.values], layout,
+                        self.length, start)
+        if layout is not None:
+            cache._mark_static()
+        return cache
+
+
+class StaticSlots(NamedTuple):
+    """A static-shape call's view of a `KVCache`: its layer buffers and the slots `index` (n,) where
+    this call's keys and values go. `attend` writes them with `index_copy_` and returns the whole
+    buffers (the mask hides the unwritten slots)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    index: torch.Tensor
+    capacity: int
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.keys) or self.keys[layer].dtype != k.dtype:  # the first call (eager) allocates
+            for store in (self.keys, self.values):
+                buffer = k.new_zeros(*k.shape[:2], self.capacity, k.shape[3])
+                torch._dynamo.mark_static_address(buffer, guard=False)
+                if layer == len(store):
+                    store.append(buffer)
+                else:  # a reused buffer of another dtype (autocast on or off since)
+                    store[layer] = buffer
+        self.keys[layer].index_copy_(2, self.index, k)
+        self.values[layer].index_copy_(2, self.index, v)
+        return self.keys[layer], self.values[layer]
+
+
+# The last static cache of each model, whose buffers the next one of the same (batch, capacity) reuses.
+_STATIC_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reused_static_cache(owner: nn.Module, batch: int, capacity: int) -> KVCache:
+    """An empty static `KVCache` that reuses the buffers of `owner`'s previous one when it had the same
+    batch and capacity (and device). A CUDA graph keeps the addresses of the buffers it writes: new
+    buffers in every generation would record every graph again (and pile the recordings up). Stale
+    slots are never seen (each call masks the slots at or after start + n). One generation at a time
+    per model; the buffers stay allocated while the model lives."""
+    previous = _STATIC_CACHES.get(owner)
+    cache = KVCache(capacity, static=True)
+    device = next(owner.parameters()).device
+    if (previous is not None and previous.layout is not None and previous.layout.positions.shape == (batch, capacity)
+            and previous.layout.positions.device == device):
+        cache.keys, cache.values, cache.layout = previous.keys, previous.values, previous.layout
+    _STATIC_CACHES[owner] = cache
+    return cache
 
 
 @functools.cache
@@ -384,6 +456,7 @@ class DiT(nn.Module):
         n_commit: int = 0,
         sigma: torch.Tensor | None = None,
         n_noisy: int | None = None,
+        compiled: bool = False,
     ) -> torch.Tensor:
         """Run new tokens against a KV cache; returns logits of the noisy tokens (which come last).
 
@@ -391,7 +464,9 @@ class DiT(nn.Module):
         appended to the cache; the other clean tokens (e.g. an ARPC proposal) are seen by this call
         only. Uses SDPA with a dense mask: at sampling time the query count is one block. The
         sampler passes `n_noisy` (it built the layout); without it it is read from the layout, a
-        host read that a GPU waits for.
+        host read that a GPU waits for. A static cache runs `forward_static`; `compiled=True` runs it
+        through `compiled_forward_static` (once the cache's layer buffers exist: the first call
+        allocates them). The sampler keeps its first call, the prompt's, eager: a shape seen once.
         """
         layout = layout.expand(tokens.shape[0])
         if n_noisy is None:
@@ -405,9 +480,68 @@ class DiT(nn.Module):
                                  f"got {n_clean} clean and {n_noisy} noisy tokens")
             layout = Layout(*(f[:, :n_clean] for f in layout._fields()))
             tokens, n_noisy = tokens[:, :n_clean], 1
+        if cache.static:
+            cache.prepare(layout)
+            run = self.forward_static
+            if compiled and len(cache.keys) == len(self.blocks):
+                run = functools.partial(compiled_forward_static(tokens.device.type), self)
+            logits = run(tokens, layout, cache.start, cache.layout, cache.keys, cache.values, n_noisy, sigma)
+            cache.advance(n_commit)
+            return logits
+        if compiled:
+            raise ValueError("compiled=True needs a static KVCache (KVCache(capacity, static=True))")
         start = cache.length
         keys = cache.reserve(layout)
         mask = dense_mask(layout, keys, self.cfg.causal_clean or self.cfg.architecture == "ar", query_offset=start)
         logits = self._run(tokens, layout.positions, mask, cache, n_commit, n_noisy, sigma)
-        cache.length += n_commit
+        cache.advance(n_commit)
         return logits
+
+    def forward_static(
+        self,
+        tokens: torch.Tensor,
+        layout: Layout,
+        start: torch.Tensor,
+        slots: Layout,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        n_noisy: int,
+        sigma: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One call against a static cache, a function of tensors only (what `torch.compile` captures):
+        writes the call's layout, keys and values at slots start.. (`slots`: the cache's (B, capacity)
+        layout buffers; `keys`, `values`: its layer buffers) and attends to every slot, those at or
+        after start + n masked out. Its shapes depend on (batch, query tokens, capacity) alone."""
+        n, capacity = tokens.shape[1], slots.positions.shape[1]
+        index = start + torch.arange(n, device=tokens.device)
+        for buffer, new in zip(slots._fields(), layout._fields()):
+            buffer.index_copy_(1, index, new)
+        written = torch.arange(capacity, device=tokens.device) < start + n
+        visible = Layout(slots.positions, slots.block_ids, slots.noisy, slots.valid & written)
+        mask = dense_mask(layout, visible, self.cfg.causal_clean or self.cfg.architecture == "ar", query_offset=start)
+        return self._run(tokens, layout.positions, mask, StaticSlots(keys, values, index, capacity), 0, n_noisy, sigma)
+
+
+@functools.cache
+def compiled_forward_static(device_type: str):
+    """`DiT.forward_static` under `torch.compile`, once per process and device type. Dynamo keeps one
+    graph per call shape: (batch, query tokens, capacity), sigma or not, and the model's own shape
+    (models of one shape share graphs: their weights are inputs). CUDA: mode "reduce-overhead", each
+    call replayed as a CUDA graph; elsewhere inductor's default mode (a CPU runs the same compiled
+    program, without graphs). Static shapes (`dynamic=False`): a new batch size or capacity compiles
+    anew, up to `RECOMPILE_LIMIT` graphs (then dynamo runs it eagerly, with a warning)."""
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    compiled = torch.compile(DiT.forward_static, dynamic=False, mode=mode)
+
+    def call(*args, **kwargs):
+        if device_type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous call's outputs may be overwritten
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+# Graphs `compiled_forward_static` may hold before dynamo falls back to eager (its default is 8):
+# a few call kinds per (model, block size, batch size, capacity).
+RECOMPILE_LIMIT = 64

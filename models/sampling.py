@@ -81,7 +81,7 @@ from typing import Callable, Literal, Sequence, get_args
 import torch
 
 from blockgen.models.attention import Layout
-from blockgen.models.backbone import KVCache
+from blockgen.models.backbone import KVCache, reused_static_cache
 from blockgen.models.diffusion import Prior, Randomness, RowGenerators, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -263,6 +263,7 @@ class Decoder:
         tails: Sequence[Sequence[int]] | None = None,
         capacity: int = 0,
         static_shapes: bool = False,
+        compile: bool = False,
     ):
         self.dit = model.dit
         self.prior: Prior = model.prior
@@ -272,8 +273,15 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.eps = model.schedule.eps
         self.calls = 0
-        self.cache = KVCache(capacity, static_shapes)  # slots the generation will fill: allocated once
-        n, width = len(prompts), max((len(p) for p in prompts), default=0)
+        if compile and not use_cache:
+            raise ValueError("compile=True runs the cached calls compiled; it needs use_cache=True")
+        self.compile = compile
+        n = len(prompts)
+        if compile:  # a CUDA graph keeps the buffers' addresses: the next generation of this shape reuses them
+            self.cache = reused_static_cache(self.dit, n, capacity)
+        else:
+            self.cache = KVCache(capacity, static_shapes)  # slots the generation will fill: allocated once
+        width = max((len(p) for p in prompts), default=0)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         tokens = torch.full((n, width), pad_id, dtype=torch.long)
         for r, p in enumerate(prompts):  # left-pad
@@ -334,6 +342,8 @@ class Decoder:
             n_clean = clean_tokens.shape[1]
             tokens, layout = torch.cat([clean_tokens, tokens], dim=1), clean_layout.cat(layout)
         extra = {"n_noisy": n_noisy} if sigma is None else {"n_noisy": n_noisy, "sigma": sigma}
+        if self.compile:  # all calls but the first, the prompt's (its shape comes once per prompt length)
+            extra["compiled"] = self.calls > 1
         if not self.use_cache:
             return self.dit.forward_cached(tokens, layout, KVCache(), 0, **extra)
         self.clean = None
@@ -509,6 +519,7 @@ def generate(
     trace: Callable[[int, int, torch.Tensor], None] | None = None,
     batch_invariant: bool = False,
     static_shapes: bool = False,
+    compile: bool = False,
 ) -> GenerationResult:
     """Continue each prompt with up to `config.max_new_tokens` tokens, block by block.
 
@@ -531,6 +542,18 @@ def generate(
     `static_shapes=True` attends to the whole preallocated KV cache (unwritten slots masked), so every
     call of a block size has the same tensor shapes, as a captured CUDA graph needs; the default
     attends to the written slots only (same numbers up to float rounding, less work on a CPU).
+
+    `compile=True` implies static shapes and runs every model call but the first (the prompt's, a
+    shape seen once) through `torch.compile` (`backbone.compiled_forward_static`): on CUDA in mode
+    "reduce-overhead", each call replayed as a CUDA graph; on a CPU with inductor's default mode
+    (the same compiled program, no graphs). One graph per call kind: per block size a handful (a
+    block's first call carries the previous block, 2 L' query tokens; its other calls L'; ARPC's AR
+    pass 2 L'; AR samplers 2), per batch size and per cache capacity, which is rounded up to a power
+    of two so that generations of similar lengths share graphs (and the cache's buffers: the next
+    generation of the same batch and capacity reuses them, so one generation at a time per model).
+    Rows that finish stay in the batch (their tokens ignored) until at most half of it is still
+    running: a smaller batch is a new shape, compiled anew. Tokens agree with eager ones up to float
+    rounding (a near-tie can flip).
     """
     block_size = check_config(model, config) if validate else resolve_block_size(model.config, config)
     paper = paper_nfe_per_block(config)
@@ -560,7 +583,7 @@ def generate(
         )
     if batch_invariant and n > 1:
         rows = [generate(model, [p], config, eos_id, pad_id, [s], seeds=[seed], max_new_tokens=[limit], use_cache=use_cache,
-                         validate=False, progress=progress, trace=trace, static_shapes=static_shapes)
+                         validate=False, progress=progress, trace=trace, static_shapes=static_shapes, compile=compile)
                 for p, s, seed, limit in zip(prompts, stops, seeds, limits)]
         calls, blocks = sum(r.model_calls for r in rows), sum(r.n_blocks for r in rows)
         return GenerationResult([r.tokens[0] for r in rows], calls, calls / blocks, paper, block_size, blocks,
@@ -572,10 +595,13 @@ def generate(
     try:
         # Cache slots: the longest prefix, the blocks, and one call's new tokens (ARPC: 2 L').
         capacity = max(len(prefix) for prefix, _ in splits) + (max(need) + 2) * block_size
+        if compile:  # one capacity for generations of similar lengths: their calls share compiled graphs
+            capacity = 1 << (capacity - 1).bit_length()
         dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits],
-                      capacity, static_shapes)
+                      capacity, static_shapes, compile)
         sample_block = ar_token if config.is_ar else diffusion_block
         active = list(range(n))  # original index of each batch row
+        running = [True] * n  # per batch row: False once it finished but stays in the batch (compile)
         out: list[list[int]] = [[] for _ in range(n)]
         reasons = ["length"] * n
         blocks = 0
@@ -586,6 +612,8 @@ def generate(
             dec.commit(block)
             keep = []
             for r, row in enumerate(to_host(block)):  # the block's one read-back
+                if not running[r]:
+                    continue
                 i = active[r]
                 new = row[skip[r] :][: limits[i] - len(out[i])]
                 if eos_id in new:
@@ -601,10 +629,19 @@ def generate(
                 progress(block_size - min(skip))
             if not keep:
                 break
-            if len(keep) < len(active):
-                dec.select(torch.tensor(keep))
-                generator = generator.select(keep)
-                active = [active[r] for r in keep]
+            if len(keep) < sum(running):
+                # A finished row stays while more than half of the batch runs (compile: a smaller batch
+                # is a new shape) and its positions stay inside the model for the blocks left.
+                stay = compile and 2 * len(keep) > len(active) and all(
+                    len(splits[active[r]][0]) + max(need) * block_size <= model.config.seq_len
+                    for r in range(len(active)) if r not in keep)
+                if stay:
+                    running = [r in keep for r in range(len(active))]
+                else:
+                    dec.select(torch.tensor(keep))
+                    generator = generator.select(keep)
+                    active = [active[r] for r in keep]
+                    running = [True] * len(keep)
     finally:
         model.train(was_training)
     return GenerationResult(out, dec.calls, dec.calls / blocks, paper, block_size, blocks, reasons)
