@@ -218,6 +218,15 @@ def _graph_run(model, prompts: list[list[int]], sampler_config, device: str) -> 
     }
 
 
+def _row_streams_match(device: str) -> bool:
+    """The sampler's random words on `device` are those of the CPU, bit for bit (exact int64 arithmetic)."""
+    from blockgen.models.diffusion import RowStreams
+
+    seeds = [0, 1, 2**62 + 3, -5]
+    on_device = RowStreams(seeds).bits((len(seeds), 64, 16), device).cpu()
+    return bool(torch.equal(on_device, RowStreams(seeds).bits((len(seeds), 64, 16))))
+
+
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path) -> dict:
     from blockgen.harness.train import TrainConfig, enable_tf32
     from blockgen.models.model import BlockGen
@@ -272,7 +281,12 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path)
                   "a CPU, which has no CUDA graphs); `make gpu-check` on a GPU measures it"}
     del built
     _free(device)
-    return {"size": scale.size, "prompt_len": scale.prompt_len, "runs": rows, "graphs": graphs}
+    result = {"size": scale.size, "prompt_len": scale.prompt_len, "runs": rows, "graphs": graphs}
+    if cuda:
+        result["row_streams_same_as_cpu"] = _row_streams_match(device)
+        if not result["row_streams_same_as_cpu"]:
+            result["error"] = "the samplers' random words (RowStreams) on the GPU differ from the CPU's"
+    return result
 
 
 def _bin(name: str) -> str:

@@ -20,7 +20,7 @@
 Reproducibility: every scored window and every generation request draws from its own generator,
 seeded from the run's seed and the request, so a result does not depend on the batch it ran in nor
 on how torchrun split the work. Log-likelihood windows are seeded by their context only and draw at
-fixed positions (`PositionalRowGenerators`): the choices of one multiple-choice question see the
+fixed positions (`diffusion.RowStreams`: draw p of a call is keyed by p): the choices of one multiple-choice question see the
 same times and the same noise at the same positions (common random numbers), so the differences
 between choices are not drowned by draw-to-draw noise.
 
@@ -63,7 +63,7 @@ from blockgen.harness.checkpoint import (
 )
 from blockgen.harness.distributed import setup_distributed
 from blockgen.harness.precision import DTYPES, check_dtype, compute_precision
-from blockgen.models.diffusion import RowGenerators
+from blockgen.models.diffusion import RowStreams
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.objectives import jensen_bound, lse_bound
 from blockgen.models.sampling import (
@@ -118,6 +118,10 @@ class BlockGenLMArgs:
     # Rows per generate_until batch; None: --batch_size (which, as in lm-eval's hf backend, sizes the
     # log-likelihood batches). A positive integer; 'auto' is --batch_size's (leave this unset for it).
     gen_batch_size: int | None = None
+    # generate(compile=True): each kind of model call compiled once and replayed (CUDA graphs on a GPU,
+    # inductor on a CPU; the same tokens as eager, tests/test_graphs.py). Off by default: compiling
+    # costs minutes on a CPU and pays only over many calls.
+    compile: bool = False
     # Released checkpoints only (harness/released.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
@@ -157,7 +161,7 @@ class BlockGenLMArgs:
             raise ValueError(f"temperature={args.temperature!r}; must be a number")
         if not isinstance(args.add_bos, bool):
             raise ValueError(f"add_bos={args.add_bos!r}; must be true or false")
-        for name in ("tf32", "batch_invariant"):
+        for name in ("tf32", "batch_invariant", "compile"):
             if getattr(args, name) is not None and not isinstance(getattr(args, name), bool):
                 raise ValueError(f"{name}={getattr(args, name)!r}; must be true or false")
         args = replace(args, dtype=check_dtype(args.dtype))
@@ -254,25 +258,6 @@ def windows(context: list[int], target: list[int], seq_len: int) -> list[Window]
     return [Window(tuple(ctx + pred), len(ctx)) for ctx, pred in map(make_disjoint_window, rolling)]
 
 
-class PositionalRowGenerators(RowGenerators):
-    """Per-row generators whose every draw covers positions 0..width-1, whatever the batch width.
-
-    Row i's draw at position p then depends only on its seed and p, not on the row's length or the
-    batch: two windows with one seed (the choices of one context) get the same times and the same
-    noise at the same positions, i.e. common random numbers.
-    """
-
-    def __init__(self, seeds: Sequence[int], width: int) -> None:
-        super().__init__(seeds)
-        self.width = width
-
-    def uniform(self, shape: Sequence[int], device=None) -> torch.Tensor:
-        shape = tuple(shape)
-        if len(shape) < 2:  # one draw per row (the time offset u)
-            return super().uniform(shape, device)
-        return super().uniform((shape[0], self.width, *shape[2:]), device)[:, : shape[1]]
-
-
 class _KeepARLogits:
     """The denoiser, remembering the logits of its last block-size-1 (AR) call, for is_greedy."""
 
@@ -293,7 +278,7 @@ def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: 
     """The bounds of a batch of windows; each window's result is that of the window scored alone.
 
     Each window runs at its own length (the batch is padded, the padding invisible: `valid`) and
-    draws from its own `PositionalRowGenerators` row: `BlockGen.nll_bounds` on the unpadded window
+    draws from its own `RowStreams` row (keyed by position, so padding changes no draw): `BlockGen.nll_bounds` on the unpadded window
     with that generator gives the same numbers, up to float rounding that depends on the batch's
     shapes (~1e-7 relative). `batch_invariant=True` scores each window as a batch of one, unpadded:
     the same numbers bit for bit whatever the batch.
@@ -313,7 +298,7 @@ def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: 
         condition[j, : w.n_context] = True
         scored[j, w.n_context : len(w.tokens)] = True
     x, valid, condition, scored = x.to(device), valid.to(device), condition.to(device), scored.to(device)
-    generators = PositionalRowGenerators(seeds, model.config.seq_len)
+    generators = RowStreams(seeds)
     dit = _KeepARLogits(model.dit)
     # per size (K_i, B), K_i = 1 at block size 1 (exact); the model picks its family's bound
     draws = [model.sequence_nll_draws(x, scored, size, k_mc, condition, generators, valid, net=dit) for size in sizes]
@@ -995,7 +980,8 @@ class BlockGenLM(TemplateLM):
             with self._precision():
                 result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
                                   stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans],
-                                  max_new_tokens=budgets, batch_invariant=self.batch_invariant["generation"])
+                                  max_new_tokens=budgets, batch_invariant=self.batch_invariant["generation"],
+                                  compile=self.args.compile)
             self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):

@@ -13,9 +13,10 @@ Each prior is one small object with the same methods, so losses and samplers nev
 The losses take raw logits (log-probabilities work too) so each prior computes only what it needs.
 
 Randomness: every draw goes through `uniform`, `randint` and `sample_categorical` below, which take
-either a `torch.Generator` (or None: the global one) or `RowGenerators`, one generator per batch row.
-With `RowGenerators` row i's draws come from its own generator only (inverse-CDF categorical draws),
-so a sampled row is the same alone or in any batch; nothing else branches on it.
+either a `torch.Generator` (or None: the global one) or `RowStreams`, one counter-based stream per
+batch row computed on the device. With `RowStreams` row i's draws come from its own stream only
+(inverse-CDF categorical draws), so a sampled row is the same alone or in any batch, on CPU or CUDA;
+nothing else branches on it.
 
 Conventions: schedule alpha_t = 1 - (1 - eps) t (log-linear, eps = 1e-3), `d_alpha = -(1 - eps)`.
 Block size 1 is autoregression: the noisy stream is `fully_noised` (a fixed placeholder that carries
@@ -24,6 +25,7 @@ no information about x) and the loss is the exact cross-entropy, handled by the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -52,48 +54,87 @@ class LogLinearSchedule:
         return self.t_min + (1 - self.t_min) * u
 
 
-class RowGenerators:
-    """One CPU `torch.Generator` per batch row, seeded from `seeds[i]`.
+def _int64(value: int) -> int:
+    """`value` mod 2^64 as a signed int64 (torch's int64 arithmetic wraps the same way)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
 
-    Row i draws float64 uniforms from its own generator only, as many per call as the row has
-    positions, so its draws do not depend on the other rows, on the batch size or on the device (the
-    uniforms are drawn on the CPU and moved). `select` keeps the generators of the rows that stay.
+
+_MASK64 = (1 << 64) - 1
+# splitmix64 (Steele, Lea and Flood 2014): the golden-ratio increment and the finaliser's multipliers.
+_GAMMA = _int64(0x9E3779B97F4A7C15)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` copies the sign bit)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser, a bijection of 64-bit words; int64 products wrap mod 2^64."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+class RowStreams:
+    """One counter-based random stream per batch row, drawn on the tensors' device.
+
+    Draw `p` (row-major over the per-row shape) of call `c` on row i is a pure function of
+    (seeds[i], c, p): `mix64(mix64(mix64(seed) + c * gamma) + (p + 1) * gamma)`, splitmix64's
+    generator keyed by row and call, in exact int64 arithmetic, so it is the same bits on any CPU
+    kernel and on CUDA, with no host round trip. A row's draws therefore depend on neither the other
+    rows nor the batch size, and a shorter draw is a prefix of a longer one in its first dimension
+    (windows of different lengths with one seed see the same noise at the same positions: common
+    random numbers). The call counter lives on the host (every row of a batch makes the same calls);
+    `select` keeps the streams of the rows that stay.
     """
 
-    def __init__(self, seeds: Sequence[int] | None = None, *, _generators: list[torch.Generator] | None = None) -> None:
-        if _generators is None:
-            _generators = [torch.Generator().manual_seed(int(s)) for s in seeds or ()]
-        self.generators = _generators
+    def __init__(self, seeds: Sequence[int], *, _keys: torch.Tensor | None = None, _calls: int = 0) -> None:
+        if _keys is None:
+            _keys = _mix64(torch.tensor([_int64(int(s)) for s in seeds], dtype=torch.long))
+        self.keys = _keys
+        self.calls = _calls
 
     def __len__(self) -> int:
-        return len(self.generators)
+        return len(self.keys)
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> "RowGenerators":
-        return RowGenerators(_generators=[self.generators[int(r)] for r in rows])
+    def select(self, rows: Sequence[int] | torch.Tensor) -> "RowStreams":
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        return RowStreams((), _keys=self.keys[rows.to(self.keys.device)], _calls=self.calls)
 
-    def uniform(self, shape: Sequence[int], device=None) -> torch.Tensor:
-        """Float64 uniforms in [0, 1) of `shape`; shape[0] must be the number of rows."""
+    def bits(self, shape: Sequence[int], device=None) -> torch.Tensor:
+        """Int64 words of `shape` (shape[0] rows), the next call's draws; advances the counter."""
         shape = tuple(shape)
         if not shape or shape[0] != len(self):
-            raise ValueError(f"RowGenerators with {len(self)} rows cannot draw a tensor of shape {shape}")
-        per_row = shape[1:]
-        rows = [torch.rand(per_row, generator=g, dtype=torch.float64) for g in self.generators]
-        return torch.stack(rows).to(device)
+            raise ValueError(f"RowStreams with {len(self)} rows cannot draw a tensor of shape {shape}")
+        if device is not None:
+            self.keys = self.keys.to(device)
+        call_key = _mix64(self.keys + _int64(self.calls * _GAMMA))
+        self.calls += 1
+        positions = torch.arange(1, math.prod(shape[1:]) + 1, device=self.keys.device) * _GAMMA
+        return _mix64(call_key[:, None] + positions).view(shape)
+
+    def uniform(self, shape: Sequence[int], device=None) -> torch.Tensor:
+        """Float64 uniforms in [0, 1) of `shape` (53 random bits each); shape[0] must be the number of rows."""
+        return _shift_right(self.bits(shape, device), 11).double() * 2.0**-53
 
 
-Randomness = torch.Generator | RowGenerators | None
+Randomness = torch.Generator | RowStreams | None
 
 
 def uniform(shape, device=None, generator: Randomness = None) -> torch.Tensor:
-    """U[0, 1) draws: float64 from per-row generators, else torch.rand's float32."""
-    if isinstance(generator, RowGenerators):
+    """U[0, 1) draws: float64 from row streams, else torch.rand's float32."""
+    if isinstance(generator, RowStreams):
         return generator.uniform(shape, device)
     return torch.rand(shape, device=device, generator=generator)
 
 
 def randint(low: int, high: int, shape, device=None, generator: Randomness = None) -> torch.Tensor:
     """Integers uniform in [low, high)."""
-    if isinstance(generator, RowGenerators):
+    if isinstance(generator, RowStreams):
         u = generator.uniform(shape, device)
         return (low + (u * (high - low)).long()).clamp_max(high - 1)
     return torch.randint(low, high, shape, device=device, generator=generator)
@@ -102,11 +143,11 @@ def randint(low: int, high: int, shape, device=None, generator: Randomness = Non
 def sample_categorical(probs: torch.Tensor, generator: Randomness = None) -> torch.Tensor:
     """One draw per row of `probs` (..., K), in float64: float32 Gumbel noise biases low-entropy draws.
 
-    Per-row generators use the inverse CDF of one uniform per draw, so a tiny float difference in
+    Row streams use the inverse CDF of one uniform per draw, so a tiny float difference in
     `probs` (another batch shape) changes a draw only if the uniform falls within it of a boundary.
     """
     p = probs.double().clamp_min(0)
-    if isinstance(generator, RowGenerators):
+    if isinstance(generator, RowStreams):
         cdf = p.cumsum(-1)
         u = generator.uniform(p.shape[:-1], p.device) * cdf[..., -1]
         return torch.searchsorted(cdf, u[..., None], right=True)[..., 0].clamp_max(p.shape[-1] - 1)

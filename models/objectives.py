@@ -136,8 +136,8 @@ def sequence_nll_draws(
     """eq. supp:mc-nll's terms: the per-sequence NELBO of each of K_MC draws of (t, z_t), (K, B).
 
     The K_MC times of one sequence are stratified over [t_min, 1]. Block size 1 is exact, so one
-    draw suffices (K = 1). Summed over `loss_mask` positions (float64). With `RowGenerators` each
-    row draws its times and noise from its own generator (`valid`: see `noisy_forward`).
+    draw suffices (K = 1). Summed over `loss_mask` positions (float64). With `RowStreams` each
+    row draws its times and noise from its own stream (`valid`: see `noisy_forward`).
     """
     draws = 1 if block_size == 1 else k_mc
     u = uniform((x.shape[0],), x.device, generator)

@@ -40,7 +40,7 @@ Temperature divides the logits before normalisation, for diffusion and AR passes
 ignores it). Categorical draws are float64 (`sample_categorical`).
 
 Randomness. Row i of a batch draws everything (prior samples, posterior draws, proposals,
-re-noising) from its own generator (`diffusion.RowGenerators`), seeded `seeds[i]` when `generate`
+re-noising) from its own counter-based stream (`diffusion.RowStreams`), seeded `seeds[i]` when `generate`
 is given `seeds`, else `config.seed + i`. With `seeds` and `batch_invariant=True`, a row's text is
 bit for bit the same alone or in any batch: each row runs as a batch of one, so the network sees the
 same shapes and the CPU's kernels round the same way. Batched (`batch_invariant=False`), float
@@ -82,7 +82,7 @@ import torch
 
 from blockgen.models.attention import Layout
 from blockgen.models.backbone import KVCache, reused_static_cache
-from blockgen.models.diffusion import Prior, Randomness, RowGenerators, sample_categorical
+from blockgen.models.diffusion import Prior, Randomness, RowStreams, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
 
@@ -588,7 +588,7 @@ def generate(
         calls, blocks = sum(r.model_calls for r in rows), sum(r.n_blocks for r in rows)
         return GenerationResult([r.tokens[0] for r in rows], calls, calls / blocks, paper, block_size, blocks,
                                 [r.finish_reasons[0] for r in rows])
-    generator = RowGenerators(seeds)
+    generator = RowStreams(seeds)
 
     was_training = model.training
     model.eval()  # dropout off while sampling; restored below

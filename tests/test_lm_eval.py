@@ -126,7 +126,8 @@ def test_windows_score_each_target_token_once():
 
 def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
     """A window scored in a padded batch == BlockGen.nll_bounds on the window alone, same draws; LSE >= Jensen."""
-    from blockgen.harness.lm_eval_adapter import PositionalRowGenerators, Window, score_windows
+    from blockgen.harness.lm_eval_adapter import Window, score_windows
+    from blockgen.models.diffusion import RowStreams
 
     model, tok = load_checkpoint(ckpts["mixture"])
     special = special_tokens(tok)
@@ -139,7 +140,7 @@ def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
     scored = torch.zeros_like(x, dtype=torch.bool)
     scored[0, 4:] = True
     condition = ~scored
-    lse, jensen = model.nll_bounds(x, scored, 4, condition, PositionalRowGenerators([1234], SEQ_LEN))
+    lse, jensen = model.nll_bounds(x, scored, 4, condition, RowStreams([1234]))
     assert score.lse == pytest.approx(lse.item(), rel=1e-5)
     assert score.jensen == pytest.approx(jensen.item(), rel=1e-5)
     assert -score.lse >= -score.jensen  # logLik_LSE >= logLik_Jensen
@@ -196,13 +197,14 @@ def test_scores_and_texts_are_bitwise_the_same_for_every_batch_size(ckpts):
 def test_choices_of_one_context_share_their_draws(ckpts):
     """Common random numbers: windows with one seed see the same noise at the same positions, so two
     choices that differ in one token differ less between them than across seeds."""
-    from blockgen.harness.lm_eval_adapter import PositionalRowGenerators
+    from blockgen.models.diffusion import RowStreams
 
-    g = PositionalRowGenerators([3, 3, 4], width=SEQ_LEN)
+    g = RowStreams([3, 3, 4])
     draws = g.uniform((3, 10))
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
-    short = PositionalRowGenerators([3], width=SEQ_LEN).uniform((1, 6))
+    short = RowStreams([3]).uniform((1, 6))
     assert torch.equal(short[0], draws[0, :6])  # a shorter window: the same draws at its positions
+    assert not torch.equal(g.uniform((3, 10)), draws)  # the next call: new draws
 
 
 def test_ar_checkpoint_is_exact_and_seed_free(ckpts):
@@ -318,7 +320,8 @@ def _counting_generate(monkeypatch) -> list[dict]:
     def counted(*args, **kwargs):
         result = real(*args, **kwargs)
         calls.append({"budgets": list(kwargs["max_new_tokens"]), "seeds": list(kwargs["seeds"]), "tokens": result.tokens,
-                      "config_budget": args[2].max_new_tokens, "model_calls": result.model_calls})
+                      "config_budget": args[2].max_new_tokens, "model_calls": result.model_calls,
+                      "reasons": result.finish_reasons, "compile": kwargs["compile"]})
         return result
 
     monkeypatch.setattr(adapter, "generate", counted)
@@ -352,13 +355,32 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
         row_budget, ids = rows[seed]
         assert row_budget == budget and len(ids) <= budget, (req.doc_id, budget, len(ids))
         assert text == lm._decode(ids)
-    assert sum(len(ids) == budget for budget, ids in rows.values()) >= len(BUDGETS) // 2  # budgets reached, not cut short
+    # not cut short by the batch: a row stops at its own budget or at EOS (no stop strings here)
+    ends = [(reason, len(ids) == budget) for c in calls for reason, budget, ids in zip(c["reasons"], c["budgets"], c["tokens"])]
+    assert all(full if reason == "length" else reason == "eos" for reason, full in ends), ends
+    assert any(reason == "length" for reason, _ in ends)
     (record,) = lm.usage.report()["toy_budgets"]["generate_until"]["settings"]
     assert record["requests"] == len(BUDGETS) and record["max_gen_toks"] == max(BUDGETS)
     assert record["model_calls"] == sum(c["model_calls"] for c in calls)
     assert record["generated_tokens"] == sum(len(ids) for _, ids in rows.values())
     info = lm.get_model_info()["blockgen"]
     assert (info["batch_size"], info["gen_batch_size"]) == (1, 4)
+    assert not any(c["compile"] for c in calls)  # eager unless compile=true
+
+
+def test_compile_model_argument_reaches_generate(ckpts, monkeypatch):
+    """--model_args compile=True (lm-eval's parsing) makes every generate call compile; a non-bool is
+    refused. That compiled generation equals eager is tests/test_graphs.py's."""
+    import blockgen.harness.lm_eval_adapter as adapter
+    from lm_eval.api.registry import get_model
+
+    seen, real = [], adapter.generate
+    monkeypatch.setattr(adapter, "generate", lambda *a, **kw: seen.append(kw["compile"]) or real(*a, **{**kw, "compile": False}))
+    lm = get_model("blockgen").create_from_arg_string(f"pretrained={ckpts['mixture']},seed=1,steps=2,compile=True", {"device": "cpu"})
+    lm.generate_until(_budget_requests([4, 6]))
+    assert seen and all(seen)
+    with pytest.raises(ValueError, match="compile='yes'; must be true or false"):
+        _lm(ckpts["mixture"], compile="yes")
 
 
 def test_mixed_budget_batches_are_bitwise_the_rows_alone(ckpts, monkeypatch):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
 from blockgen.models.backbone import ModelShape
-from blockgen.models.diffusion import RowGenerators, UniformPrior, sample_categorical
+from blockgen.models.diffusion import RowStreams, UniformPrior, sample_categorical
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.models.sampling import (
     BLOCK_LAYOUTS,
@@ -416,23 +419,86 @@ def test_informed_step_renoises_all_k_lowest(monkeypatch, name, prior):
                 assert int((z[r] == model.prior.mask_id).sum()) == k
 
 
-def test_row_generators_draw_per_row():
+def test_row_streams_draw_per_row():
     """Per-row draws: the right distribution, and a row's draws are the same alone or in a batch."""
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
-    draws = sample_categorical(probs.expand(2, 20_000, 4), RowGenerators([0, 1]))
+    draws = sample_categorical(probs.expand(2, 20_000, 4), RowStreams([0, 1]))
     for row in draws:
         freq = torch.bincount(row, minlength=4).double() / row.numel()
         assert (freq - probs.double()).abs().max() < 0.015 and freq[1] == 0
     p = torch.softmax(torch.randn(5, 6, 11, generator=torch.Generator().manual_seed(0)), -1)
-    batch = sample_categorical(p, RowGenerators([7, 8, 9, 10, 11]))
+    batch = sample_categorical(p, RowStreams([7, 8, 9, 10, 11]))
     for r, seed in enumerate([7, 8, 9, 10, 11]):
-        assert torch.equal(batch[r], sample_categorical(p[r : r + 1], RowGenerators([seed]))[0])
-    gens = RowGenerators([3, 4, 5])
-    gens.uniform((3, 2))
-    kept = gens.select([2])
-    assert torch.equal(kept.uniform((1, 4)), RowGenerators([5]).uniform((1, 6))[:, 2:])
+        assert torch.equal(batch[r], sample_categorical(p[r : r + 1], RowStreams([seed]))[0])
+    streams = RowStreams([3, 4, 5])
+    streams.uniform((3, 2))
+    kept = streams.select([2])
+    alone = RowStreams([5])
+    alone.uniform((1, 2))
+    assert torch.equal(kept.uniform((1, 4)), alone.uniform((1, 4)))  # the kept row goes on with its own stream
     with pytest.raises(ValueError, match="3 rows"):
-        gens.uniform((2, 4))
+        streams.uniform((2, 4))
+
+
+def _splitmix_reference(seed: int, call: int, position: int) -> int:
+    """RowStreams' word in plain Python integers mod 2^64 (the definition, no torch)."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    return mix((mix((mix(seed & mask) + call * gamma) & mask) + (position + 1) * gamma) & mask)
+
+
+ROW_STREAM_SEEDS = [0, 1, 12345, 2**63 - 1, -1, 2**40 + 7]
+
+
+def _row_stream_words() -> list[list[int]]:
+    streams = RowStreams(ROW_STREAM_SEEDS)
+    words = [streams.bits((len(ROW_STREAM_SEEDS), 3, 5)).view(len(ROW_STREAM_SEEDS), -1) for _ in range(3)]
+    return [[w & ((1 << 64) - 1) for w in torch.stack(words, 1).flatten(1).tolist()[r]] for r in range(len(ROW_STREAM_SEEDS))]
+
+
+def test_row_streams_are_splitmix64_bit_for_bit():
+    """The int64 tensor arithmetic (wrapping products, emulated logical shifts) is exactly splitmix64's
+    definition, so every device and CPU kernel that does int64 arithmetic draws the same words."""
+    words = _row_stream_words()
+    for r, seed in enumerate(ROW_STREAM_SEEDS):
+        expected = [_splitmix_reference(seed, call, p) for call in range(3) for p in range(15)]
+        assert words[r] == expected, seed
+    u = RowStreams([9]).uniform((1, 4))
+    assert u.dtype == torch.float64
+    assert u[0].tolist() == [(_splitmix_reference(9, 0, p) >> 11) * 2.0**-53 for p in range(4)]
+
+
+def test_row_streams_are_the_same_on_the_portable_cpu_kernels():
+    """The same words from ATen's non-vectorised kernels (ATEN_CPU_CAPABILITY=default) as from this CPU's."""
+    draw = f"s = RowStreams({ROW_STREAM_SEEDS}); words = [s.bits((6, 3, 5)).tolist() for _ in range(3)]"
+    code = f"import json; from blockgen.models.diffusion import RowStreams; {draw}; print(json.dumps(words))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    scope = {"RowStreams": RowStreams}
+    exec(draw, scope)
+    assert json.loads(out.stdout) == scope["words"]
+
+
+def test_row_streams_are_uniform_and_independent():
+    """Kolmogorov-Smirnov against U[0, 1) per row and across calls, and no correlation between
+    neighbouring rows, calls or positions (200,000 draws; fixed seeds, exact integer arithmetic)."""
+    u = RowStreams(range(8)).uniform((8, 25_000))
+    v = torch.cat([RowStreams([s]).uniform((1, 1)) for s in range(20_000)])  # first draws of 20,000 seeds
+    for sample in (u.flatten(), v.flatten(), *u):
+        x = sample.sort().values
+        n = len(x)
+        grid = torch.arange(1, n + 1, dtype=torch.float64) / n
+        ks = torch.maximum(grid - x, x - (grid - 1 / n)).max().item()
+        assert ks < 1.95 / n**0.5  # the 0.1% critical value
+    assert ((u >= 0) & (u < 1)).all()
+    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:]), (v[:-1], v[1:])):
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(corr) < 4 / a.numel() ** 0.5
 
 
 # ------------------------------------------------------------------------------ uniform prior
