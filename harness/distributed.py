@@ -3,7 +3,8 @@
 Training and the lm-eval adapter call `setup_distributed` once: it resolves the device, joins
 torchrun's process group when there is one (NCCL on CUDA, gloo otherwise) and gives each process
 its own GPU. Code that only needs its rank (data preparation, a scorer's GPU, progress bars) calls
-`ranks_from_env`, which reads torchrun's variables and joins nothing.
+`ranks_from_env`, which reads torchrun's variables and joins nothing. A decision read from files (a
+sweep's "is this setting done?") is made on rank 0 and broadcast: `decided_on_rank0`.
 
 Device policy, the same for every caller:
 - "auto" (or None): CUDA when torch sees a GPU, else the CPU;
@@ -16,9 +17,10 @@ Device policy, the same for every caller:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +29,7 @@ DEVICE_CHOICES = (AUTO, "cpu", "cuda", "cuda:N", "mps")
 # Bounds every collective and the group's start-up; NCCL's own default (10 minutes) is too short for
 # ranks that wait while rank 0 writes a checkpoint or evaluates.
 DEFAULT_TIMEOUT_S = 1800
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,16 @@ def setup_distributed(device: str | None = AUTO, timeout_s: float = DEFAULT_TIME
                 print(f"blockgen: process group {backend}, {ranks.world_size} processes, timeout {timeout_s:g} s", flush=True)
     return Distributed(rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size,
                        launched=ranks.launched, device=resolved)
+
+
+def decided_on_rank0(decide: Callable[[], T]) -> T:
+    """`decide()` computed on rank 0 alone and broadcast to every rank of the joined process group (any
+    picklable value); without a group, computed here. For answers read from files: ranks on machines
+    without a shared file system would otherwise decide differently and wait in different collectives."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -7,6 +7,7 @@ that knows where lm-eval and the blockgen adapter put things) or are the paper's
 sampler variant per NFE, as the paper's figures do.
 
     blockgen leaderboard add results/.../results_*.json --to leaderboards/owt.json
+    blockgen leaderboard collect runs/results --to runs/leaderboard-owt.json   # every results file under the roots
     blockgen leaderboard show leaderboards/paper.json --task gsm8k_code --best
     blockgen leaderboard page                     # every leaderboards/*.json -> runs/leaderboard-page/index.html
     blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json   # exit 1 past a tolerance
@@ -392,19 +393,51 @@ def _task_settings(info: dict, report: dict, output_type: str | None, wall: floa
     )
 
 
+def results_file_rows(path: str | Path, model: str | None = None) -> list[Row]:
+    """The rows of one lm-eval results file (`rows_from_results`), its path as their source."""
+    path = Path(path)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise LeaderboardError(f"cannot read lm-eval results {path}: {err}") from err
+    return rows_from_results(results, str(path), model)
+
+
 def add_results(paths: Iterable[str | Path], board: Leaderboard, model: str | None = None) -> tuple[int, int]:
     """Read lm-eval results files into `board`; returns (rows added or updated, rows replaced)."""
     count = replaced = 0
     for path in paths:
-        path = Path(path)
-        try:
-            results = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise LeaderboardError(f"cannot read lm-eval results {path}: {err}") from err
-        rows = rows_from_results(results, str(path), model)
+        rows = results_file_rows(path, model)
         replaced += board.add(rows)
         count += len(rows)
     return count, replaced
+
+
+def collect(roots: Sequence[str | Path]) -> tuple[list[Row], int]:
+    """The rows of every lm-eval results file under `roots` (the results folders of a sweep's shards, or
+    one root they all wrote into), one per key, and the number of files read. The same measurement
+    found twice (a setting run by two jobs) must agree in value, stderr and n: else a LeaderboardError
+    names both files, where `add` would keep the later one silently."""
+    missing = [str(r) for r in roots if not Path(r).is_dir()]
+    if missing:
+        raise LeaderboardError(f"no results folder {missing}")
+    paths = sorted({p for root in roots for p in Path(root).rglob("results_*.json")})
+    if not paths:
+        raise LeaderboardError(f"no lm-eval results (results_*.json) under {[str(r) for r in roots]}")
+    found: dict[tuple, Row] = {}
+    for path in paths:
+        for row in results_file_rows(path):
+            first = found.setdefault(row.key(), row)
+            if _measured(first) != _measured(row):
+                raise LeaderboardError(
+                    f"{row.model} {row.task} {row.metric} ({row.sampler or 'likelihood'}, T={row.temperature}) disagrees: "
+                    f"{first.value} (stderr {first.stderr}, n {first.n}) in {first.source}, {row.value} (stderr {row.stderr}, "
+                    f"n {row.n}) in {row.source}; remove the one that is wrong")
+    return list(found.values()), len(paths)
+
+
+def _measured(row: Row) -> str:
+    return json.dumps([row.value, row.stderr, row.n])  # as text: NaN equals NaN
 
 
 # ------------------------------------------------------------------------------ tables

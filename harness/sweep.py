@@ -3,6 +3,7 @@
     blockgen sweep owt-embedded --runs runs/ci-pipeline --limit 8 --metadata '{"scorer_model": "runs/ci-pipeline/scorer-text"}'
     blockgen sweep gsm8k --dry-run                        # one line per setting and the estimated cost
     torchrun --nproc_per_node=8 -m blockgen.harness.cli sweep owt --runs runs --device cuda
+    blockgen sweep owt --runs runs --device cuda --shard 3/8 --keep-going   # job 3 of 8 independent jobs
 
 A grid (`GRIDS` in harness/grids.py, the one home of the evaluation grids; the variants by NFE come
 from `sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings. Per model:
@@ -19,8 +20,19 @@ results; another seed is another result, not skipped). Each setting writes its o
 (``--log_samples``: per-problem / per-sample outcomes) under ``<out-dir>/<model run>/<setting>/``,
 the folders the per-process Makefile used; a rerun skips a setting whose results record the same
 setting, checkpoint hash, limit, task metadata and seed. Under torchrun the settings run data parallel
-(rank 0 writes). The demo's grid (`demo`) is in the same registry; `blockgen demo` runs it on its own
-worker pool (harness/demo.py imports `demo_samplers`).
+(rank 0 writes); rank 0 alone decides what is done and broadcasts it (`decided_on_rank0`), so ranks
+without a shared file system run the same settings. The demo's grid (`demo`) is in the same registry;
+`blockgen demo` runs it on its own worker pool (harness/demo.py imports `demo_samplers`).
+
+Several jobs: `--shard I/N` runs job I's share of the grid (`split`: the settings priced as the dry run
+prices them, `priced`, an unpriced one at the median price, dealt longest first to the least loaded of N
+jobs, the same split in every job). The jobs need no process group with each other (each may be its own
+torchrun group) and write into the same results folders a single sweep would, so any job's rerun skips
+what another finished; `--dry-run --shard I/N` lists that job's settings and cost. `blockgen leaderboard
+collect ROOT...` builds one leaderboard from their results. `--keep-going`: a setting that raises leaves
+`error.json` (error, traceback, the setting's mark) in its results folder and the sweep goes on; the
+summary lists the failed settings and the exit status is 1. A failed setting is not done: a rerun retries
+it (and removes the record once it succeeds). Without it the sweep stops at the first failure, recorded.
 
 Scorers: the `owt_genppl` settings of a sweep share one scorer: one vLLM server per process (per GPU
 under torchrun), started before the first such setting and stopped at the end, handed to the task as
@@ -31,14 +43,18 @@ with the transformers backend): `scorers.shared_scorers`.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import statistics
 import sys
 import time
+import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from blockgen.harness.distributed import ranks_from_env
+from blockgen.harness.distributed import decided_on_rank0, ranks_from_env, setup_distributed
 from blockgen.harness.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
 from blockgen.harness.precision import DTYPES, check_dtype
 from blockgen.harness.presets import PRESETS, preset
@@ -170,6 +186,8 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None) -> t
     if not g.offline and name in RELEASES:
         return plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
     preset_name = model if g.demo else g.run_name(model)
+    if preset_name not in PRESETS:  # a run trained under --runs with settings of its own: no rate applies
+        return None, "not a preset: no measured rate"
     config = preset(preset_name)
     sizes = model_block_sizes(g, model, s.checkpoint)
     rows = eval_cost.offline_rows(s.task, g.limit, metadata or {})
@@ -197,7 +215,8 @@ def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None
     unit = "CPU" if g.offline else "H200"
     total, per_model, unpriced = 0.0, {}, 0
     models = {g.run_name(m): m for m in g.models}
-    print(f"# blockgen sweep: {len(todo)} settings on {len(models)} models, each model loaded once", file=out)
+    loads = len({s.run for s in todo})  # the models with a setting to run (a shard's may be fewer)
+    print(f"# blockgen sweep: {len(todo)} settings on {loads} models, each model loaded once", file=out)
     print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.offline else FULL_SCALE_ASSUMPTIONS), file=out)
     extra = dict(g.model_args)
     precision = extra.get("dtype", "float32") + (" + TF32" if extra.get("tf32") else "")
@@ -216,7 +235,7 @@ def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None
     for run, (n, sub) in per_model.items():
         print(f"# model {run}: {n} settings, {_cost(sub, unit)}", file=out)
     kind = "derived" if unit == "H200" else "from measured CPU rates"
-    print(f"total: {len(todo)} settings, {len(models)} model loads, {_cost(total, unit)} ({kind}"
+    print(f"total: {len(todo)} settings, {loads} model loads, {_cost(total, unit)} ({kind}"
           + (f"; {unpriced} settings not priced" if unpriced else "") + ")", file=out)
     return total
 
@@ -225,6 +244,50 @@ def _cost(seconds: float | None, unit: str) -> str:
     if seconds is None:
         return "-"
     return f"{seconds / 3600:.3f} H200-h" if unit == "H200" else f"{seconds:.1f} CPU-s"
+
+
+# ------------------------------------------------------------------------------ shards
+
+SHARD_FORM = "I/N: job I of N independent jobs, 0 <= I < N (e.g. 0/8 ... 7/8)"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Job `index` of `count` independent jobs that split a grid's settings between them (`--shard I/N`)."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index}/{self.count}: expected {SHARD_FORM}")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def priced(g: Grid, todo: list[Setting], metadata: dict | None = None) -> list[float]:
+    """Each setting's cost as the dry run prices it (`estimate`). A setting without a price counts as the
+    median of the priced ones (1 when none is): unknown work is spread over the shards like typical work,
+    where 0 would pile every unpriced setting onto one shard."""
+    models = {g.run_name(m): m for m in g.models}
+    seconds = [estimate(g, s, models[s.run], metadata)[0] for s in todo]
+    known = [x for x in seconds if x is not None]
+    fill = statistics.median(known) if known else 1.0
+    return [fill if x is None else x for x in seconds]
+
+
+def split(costs: Sequence[float], count: int) -> list[int]:
+    """The shard of each setting, balanced by cost: longest processing time first (costliest first, equal
+    costs in grid order), each to the shard with the least cost so far (the lowest index among equals).
+    Deterministic, so every job computes the same split on its own and no job talks to another."""
+    loads = [0.0] * count
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # sorted is stable: grid order among equals
+        k = min(range(count), key=loads.__getitem__)  # min keeps the first: the lowest index
+        owner[i] = k
+        loads[k] += costs[i]
+    return owner
 
 
 # ------------------------------------------------------------------------------ running
@@ -250,6 +313,8 @@ class SweepConfig:
     dtype: str | None = None
     tf32: bool = False
     seed: int | None = None  # lm_eval's --seed (`lm_eval_seeds`); None: lm-eval's defaults
+    shard: Shard | None = None  # run only this job's share of the settings (`split`); None: all
+    keep_going: bool = False  # a failed setting is recorded (`error.json`) and the sweep goes on
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)
@@ -285,6 +350,8 @@ class SweepReport:
     vllm_starts: int = 0
     scorer_loads: int = 0  # in-process scorer models (MAUVE's features; scores with the transformers backend)
     seconds: float = 0.0
+    failed: list[str] = field(default_factory=list)  # <run>/<setting> of each setting that raised
+    shard: str | None = None  # I/N of a sharded sweep
 
 
 def _results_files(folder: Path) -> list[Path]:
@@ -307,6 +374,32 @@ def lm_eval_seeds(seed: int | None) -> dict[str, int]:
     if seed is None:
         return dict(zip(names, (DEFAULT_RANDOM_SEED, DEFAULT_OTHER_SEED, DEFAULT_OTHER_SEED, DEFAULT_OTHER_SEED)))
     return dict.fromkeys(names, seed)
+
+
+ERROR_FILE = "error.json"
+
+
+def _record_failure(folder: Path, mark: dict, err: BaseException) -> None:
+    """The setting's error, its traceback and its mark in `error.json` in its results folder (rank 0).
+    `_done` reads results files only, so a failed setting runs again on the next sweep."""
+    if not ranks_from_env().is_main:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"blockgen_sweep": mark, "error": f"{type(err).__name__}: {err}",
+              "traceback": "".join(traceback.format_exception(err)),
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    (folder / ERROR_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _clear_failure(folder: Path, mark: dict) -> None:
+    """Remove the error record of this very setting (same mark) once it has succeeded."""
+    path = folder / ERROR_FILE
+    try:
+        recorded = json.loads(path.read_text()).get("blockgen_sweep")
+    except (OSError, ValueError, AttributeError):
+        return
+    if recorded == mark:
+        path.unlink(missing_ok=True)
 
 
 def _done(folder: Path, mark: dict) -> bool:
@@ -394,10 +487,23 @@ def _restore(state) -> None:
 def run_sweep(config: SweepConfig) -> SweepReport:
     g = config.resolved_grid()
     todo = settings(g, config.runs)
+    shard = str(config.shard) if config.shard else None
+    if config.shard is not None:
+        costs = priced(g, todo, config.metadata)
+        owner = split(costs, config.shard.count)
+        mine = [i for i, k in enumerate(owner) if k == config.shard.index]
+        if config.dry_run:
+            unit = "CPU" if g.offline else "H200"
+            print(f"# shard {config.shard}: {len(mine)} of the grid's {len(todo)} settings, "
+                  f"{_cost(sum(costs[i] for i in mine), unit)} of {_cost(sum(costs), unit)} "
+                  "(split by priced cost, longest first; an unpriced setting counts as the median price)")
+        todo = [todo[i] for i in mine]
     if config.dry_run:
         dry_run(g, todo, metadata=config.metadata)
-        return SweepReport(settings=len(todo))
+        return SweepReport(settings=len(todo), shard=shard)
     _require_checkpoints(g, todo)
+    if ranks_from_env().world_size > 1:
+        setup_distributed(config.device)  # the process group, before rank 0's first skip decision
     import blockgen.lm_eval
     from blockgen.harness import scorers
     from blockgen.harness.checkpoint import checkpoint_hash
@@ -405,18 +511,30 @@ def run_sweep(config: SweepConfig) -> SweepReport:
 
     blockgen.lm_eval.register()
     begin, starts = time.perf_counter(), dict(scorers.STARTS)
-    report = SweepReport(settings=len(todo))
+    report = SweepReport(settings=len(todo), shard=shard)
     root = config.results_root()
     pool = _Scorers(config.metadata, config.device)
     by_checkpoint: dict[str, list[Setting]] = {}
     for s in todo:
         by_checkpoint.setdefault(s.checkpoint, []).append(s)
     bar = None
+
+    def failed(s: Setting, mark: dict, err: Exception) -> None:
+        _record_failure(root / s.run / s.label, mark, err)
+        report.failed.append(f"{s.run}/{s.label}")
+        bar.update(1)
+        if not config.keep_going:  # today's behaviour: stop at the first failure (now recorded)
+            raise err
+
     try:
         for checkpoint, group in by_checkpoint.items():
             group = [replace(s, checkpoint=str(_resolved(s.checkpoint, g))) for s in group]
             sha = checkpoint_hash(group[0].checkpoint)
-            pending = [s for s in group if not _done(root / s.run / s.label, _mark(s, g, sha, config.metadata, config.seed))]
+            marks = [_mark(s, g, sha, config.metadata, config.seed) for s in group]
+            # rank 0 reads its results folders and every rank follows: ranks without a shared file
+            # system run the same settings (the collectives inside lm-eval match)
+            done = decided_on_rank0(lambda: [_done(root / s.run / s.label, m) for s, m in zip(group, marks)])
+            pending = [(s, m) for s, m, d in zip(group, marks, done) if not d]
             report.skipped += len(group) - len(pending)
             if bar is None:
                 bar = tqdm(total=len(todo), desc="blockgen sweep", unit="setting",
@@ -424,12 +542,20 @@ def run_sweep(config: SweepConfig) -> SweepReport:
             bar.update(len(group) - len(pending))
             if not pending:
                 continue
-            lm, rng = _load_model(group[0], g, config.device, config.seed)
+            try:
+                lm, rng = _load_model(group[0], g, config.device, config.seed)
+            except Exception as err:  # a checkpoint that does not load fails each of its settings
+                for s, mark in pending:
+                    failed(s, mark, err)
+                continue
             report.model_loads += 1
-            lm.barrier()  # every rank decided what to skip before rank 0 writes anything
-            for s in pending:
+            for s, mark in pending:
                 bar.set_postfix_str(f"{s.run} {s.label}", refresh=True)
-                _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device, config.seed)
+                try:
+                    _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device, config.seed)
+                except Exception as err:
+                    failed(s, mark, err)
+                    continue
                 report.ran += 1
                 bar.update(1)
             del lm
@@ -488,11 +614,13 @@ def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device
     # What the `lm_eval` command records for the same run (it names the model type, not the class).
     results["config"].update(model="blockgen", torch_seed=seeds["torch_random_seed"])
     tracker.general_config_tracker.model_source = "blockgen"
-    results["blockgen_sweep"] = {**_mark(s, g, lm.checkpoint_hash, pool.metadata, seed), "label": s.label}
+    mark = _mark(s, g, lm.checkpoint_hash, pool.metadata, seed)
+    results["blockgen_sweep"] = {**mark, "label": s.label}
     samples = results.pop("samples")
     tracker.save_results_aggregated(results=results, samples=samples)
     for name in results["configs"]:
         tracker.save_results_samples(task_name=name, samples=samples[name])
+    _clear_failure(folder, mark)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -518,6 +646,23 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA (opt-in: not measured on a GPU)")
     parser.add_argument("--seed", type=int, default=None,
                         help="as lm_eval's --seed: python, numpy, torch and few-shot seeds (default: lm-eval's 0,1234,1234,1234)")
+    parser.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                        help="run job I's share of N independent jobs (settings split by priced cost); "
+                             "results go to the folders the whole sweep uses")
+    parser.add_argument("--keep-going", action="store_true",
+                        help=f"record a failing setting ({ERROR_FILE} in its results folder) and go on; "
+                             "exit 1 when any failed")
+
+
+def parse_shard(text: str) -> Shard:
+    """`--shard I/N` (argparse's type: a bad value is one line naming the valid form)."""
+    index, slash, count = text.partition("/")
+    try:
+        if not slash:
+            raise ValueError
+        return Shard(int(index), int(count))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {SHARD_FORM}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -527,7 +672,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(grid=args.grid, runs=args.runs, out_dir=args.out_dir, models=tup(args.models),
                        temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
                        device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress,
-                       dtype=args.dtype, tf32=args.tf32, seed=args.seed)
+                       dtype=args.dtype, tf32=args.tf32, seed=args.seed, shard=args.shard, keep_going=args.keep_going)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -537,6 +682,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"blockgen sweep: {err}", file=sys.stderr)
         return 2
-    if not config.dry_run and ranks_from_env().is_main:
+    main = ranks_from_env().is_main
+    if not config.dry_run and main:
         print("sweep: " + json.dumps(report.__dict__))
-    return 0
+    if report.failed and main:
+        print(f"blockgen sweep: {len(report.failed)} of {report.settings} settings failed ({ERROR_FILE} in each one's folder "
+              f"under {config.results_root()}; a rerun retries them): {', '.join(report.failed)}", file=sys.stderr)
+    return 1 if report.failed else 0

@@ -51,7 +51,7 @@ def test_every_subcommand_answers_help():
                 ("hub-check",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
                 ("sweep",), ("outcomes", "check"), ("outcomes", "update"), ("regression", "check"), ("regression", "update"),
                 ("scorers", "check-vllm"), ("variants",)}
-    expected |= {("leaderboard", action) for action in ("add", "show", "plot", "page", "compare", "check")}
+    expected |= {("leaderboard", action) for action in ("add", "collect", "show", "plot", "page", "compare", "check")}
     assert expected <= set(paths), sorted(expected - set(paths))
     for path in paths:
         code, out, _ = run([*path, "--help"])
