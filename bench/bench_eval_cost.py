@@ -119,6 +119,8 @@ def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
     """Seconds per sample of what owt_genppl does after generating, as in a sweep (the scorer loaded
     once, outside the timing): Gen PPL score and MAUVE features of the sample and its reference
     (`owt.score_samples`), then MAUVE over the n samples (`owt.mauve_score`)."""
+    import tempfile
+
     from blockgen.harness.scorers import ScorerConfig, shared_scorers
     from blockgen.tasks.blockgen_toy import training_text
     from blockgen.tasks.owt import genppl_results, mauve_score, score_samples
@@ -129,11 +131,14 @@ def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
     samples, references = texts[:n], texts[n:]
 
     def go():
-        records = score_samples(samples, references, config)
-        mauve_score([genppl_results({}, [r])["mauve"] for r in records])
+        # A fresh MAUVE cache each time: the references are featurized too (a sweep's first setting;
+        # later settings reuse them, harness/mauve_cache.py), so the rate stays an upper bound.
+        with tempfile.TemporaryDirectory() as cache:
+            records = score_samples(samples, references, config, Path(cache))
+            mauve_score([genppl_results({}, [r])["mauve"] for r in records])
 
-    with shared_scorers():
-        score_samples(samples[:2], references[:2], config)  # loads the sweep's shared copy
+    with shared_scorers(), tempfile.TemporaryDirectory() as cache:
+        score_samples(samples[:2], references[:2], config, Path(cache))  # loads the sweep's shared copy
         seconds, _ = best(go, repeats)
     return seconds / n
 
@@ -173,7 +178,7 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict
                 continue
             s = found[0]
             lm, rng = sweep._load_model(s, g, "cpu")
-            pool = sweep._Scorers(metadata, "cpu")
+            pool = sweep._Scorers(metadata, "cpu", Path(tmp))
             try:
                 wall, _ = best(lambda: sweep._evaluate(s, g, lm, rng, pool, Path(tmp) / task, "cpu"), repeats)
             finally:

@@ -34,6 +34,7 @@ Preparing a source into the memory-mapped cache that training reads is `blockgen
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -313,7 +314,15 @@ def load_rows(config: DataConfig, split: str = "train"):
         files = _local_files(config.path)
         kind = "parquet" if all(f.endswith(".parquet") for f in files) else "json"
         return load_dataset(kind, data_files=files, split="train")
-    name, revision = config.hub_dataset()
+    return _hub_rows(*config.hub_dataset(), split)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_rows(name: str, revision: str | None, split: str):
+    """A hub dataset's split, loaded (retried while the hub does not answer) once per process: every
+    task and setting of a sweep that reads it shares the memory-mapped copy."""
+    from datasets import load_dataset
+
     what = f"dataset {name}" + (f" at revision {revision}" if revision else "")
     try:
         return hub_call(lambda: load_dataset(name, revision=revision, split=split), what)
@@ -321,6 +330,29 @@ def load_rows(config: DataConfig, split: str = "train"):
         raise HubUnavailableError(f"{err}\n{OFFLINE_PATHS}") from err.__cause__
     except Exception as err:  # datasets >= 4 raises RuntimeError for loading scripts, others for odd layouts
         raise HubUnavailableError(f"could not load {what}: {type(err).__name__}: {err}\n{OFFLINE_PATHS}") from err
+
+
+def file_id(path: str | Path) -> list:
+    """A file's identity in cache keys without reading it: real path, size, modification time."""
+    real = Path(path).resolve()
+    stat = real.stat()
+    return [str(real), stat.st_size, stat.st_mtime_ns]
+
+
+def source_identity(config: DataConfig) -> list:
+    """What a source's documents depend on, known without reading them (cache keys): local files by
+    `file_id`; the embedded text (`pydoc_data.topics`) by its content; a hub dataset by name and
+    revision, or the files of a local folder laid out as its export."""
+    if config.path is not None:
+        return [config.source, [file_id(f) for f in _local_files(config.path)]]
+    if config.source == "text":
+        from pydoc_data.topics import topics
+
+        return ["text", hashlib.sha256(json.dumps(topics, sort_keys=True).encode()).hexdigest()]
+    name, revision = config.hub_dataset()
+    if Path(name).is_dir():
+        return [config.source, [file_id(f) for f in sorted(Path(name).rglob("*")) if f.is_file()]]
+    return [config.source, name, revision]
 
 
 def _stable_fraction_held_out(text: str) -> bool:

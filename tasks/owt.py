@@ -20,19 +20,34 @@ filter, so each torchrun rank scores its own share), under a scorer language mod
 there), ``unigram_entropy`` (mean per sample, nats), and ``mauve`` against as many held-out reference
 passages, with features from the scorer model (its last hidden state, as MAUVE's own featurizer).
 
+MAUVE is scored once per input (`blockgen.harness.mauve_cache`): the reference passages are built
+once per reference set (source and its files, ``num_samples``, ``reference_chars``) and their features
+once per scorer, both cached on disk and, within a process (a sweep), in memory; each sample's
+features go to a side file (``samples/<key>.npy`` in the cache folder), and a document's per-sample
+results (``filtered_resps``, the ``mauve`` item; so the samples file of ``--log_samples`` and what
+torchrun ranks gather) carry only the file and row (`FeatureRow`). The aggregation reads the rows back:
+the same float32 vectors, so the same MAUVE as when the vectors travelled inline.
+
 The scorer and the sample count come from the task's metadata, overridable with lm-eval's
 ``--metadata`` (JSON): ``scorer`` (transformers | vllm), ``scorer_model`` (directory or hub name),
 ``scorer_url``, ``scorer_device``, ``scorer_batch_size``, ``scorer_vllm_python``, ... (see
-`ScorerConfig`), ``num_samples``, ``data_path`` (local files instead of the source's default text).
+`ScorerConfig`), ``num_samples``, ``data_path`` (local files instead of the source's default text),
+``mauve_cache`` (the cache folder; else $BLOCKGEN_MAUVE_CACHE, else ~/.cache/blockgen/mauve; `blockgen
+sweep` names <results root>/mauve-cache). Hub loads (OWT, a hub scorer) are retried with backoff
+(`harness.hub.hub_call`), then fail naming the offline twin.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lm_eval.api.instance import Instance
 from lm_eval.api.task import ConfigurableTask
+
+if TYPE_CHECKING:
+    from blockgen.harness.mauve_cache import MauvePair, ReferenceSet
 
 log = logging.getLogger(__name__)
 
@@ -130,16 +145,36 @@ def reference_passages(documents: list[str], max_chars: int) -> list[str]:
     return passages
 
 
-def genppl_references(source: str = "owt", data_path: str | None = None, num_samples: int = 1024,
-                      reference_chars: int = 4000, **_metadata):
-    """One document per sample, each carrying one held-out reference passage (for MAUVE)."""
-    from blockgen.harness.data import document_split
+PASSAGE_RULE = 1  # bump when `reference_passages` cuts passages another way: cached passages are then ignored
 
-    passages = reference_passages(document_split(_data_config(source, data_path))[1], int(reference_chars))
-    if len(passages) < int(num_samples):
+
+def held_out_passages(references: ReferenceSet) -> list[str]:
+    """The first `num_samples` passages of a reference set's held-out documents (`ReferenceSet`); walks
+    every held-out document: 25.6 s per process at OWT's size, hence the cache in `genppl_references`."""
+    from blockgen.harness.data import document_split
+    from blockgen.harness.hub import HubUnavailableError
+
+    try:
+        held_out = document_split(_data_config(references.source, references.data_path))[1]
+    except HubUnavailableError as err:
+        raise HubUnavailableError(f"{err}\nowt_genppl: the offline twin owt_genppl_embedded reads the embedded "
+                                  f"text (or --metadata '{{\"data_path\": FILES}}' local documents).") from err
+    return reference_passages(held_out, references.reference_chars)[: references.num_samples]
+
+
+def genppl_references(source: str = "owt", data_path: str | None = None, num_samples: int = 1024,
+                      reference_chars: int = 4000, mauve_cache: str | None = None, **_metadata):
+    """One document per sample, each carrying one held-out reference passage (for MAUVE). The passages
+    are built once per reference set (`harness.mauve_cache.ReferenceSet`) and cached: in memory for the
+    process, on disk under ``mauve_cache`` (else $BLOCKGEN_MAUVE_CACHE, else ~/.cache/blockgen/mauve)."""
+    from blockgen.harness.mauve_cache import REFERENCES, ReferenceSet, cache_dir, cached_texts
+
+    references = ReferenceSet.of(source, data_path, num_samples, reference_chars, PASSAGE_RULE)
+    passages = cached_texts(cache_dir(mauve_cache) / REFERENCES, references, lambda: held_out_passages(references))
+    if len(passages) < references.num_samples:
         log.warning("owt_genppl: %d held-out reference passages, fewer than num_samples=%d; drawing %d samples",
-                    len(passages), int(num_samples), len(passages))
-    return _dataset([{"reference": p} for p in passages[: int(num_samples)]])
+                    len(passages), references.num_samples, len(passages))
+    return _dataset([{"reference": p} for p in passages])
 
 
 class OwtGenPPLTask(YamlClassTask):
@@ -187,12 +222,15 @@ class OwtGenPPLTask(YamlClassTask):
 
     def apply_filters(self):
         super().apply_filters()
+        from blockgen.harness.mauve_cache import cache_dir
+
         config = self.scorer_config
+        cache = cache_dir((self.config.metadata or {}).get("mauve_cache"))
         instances = self._instances or []
         for name in sorted({key for inst in instances for key in inst.filtered_resps}):
             samples = [_as_text(inst.filtered_resps[name]) for inst in instances]
             references = [inst.doc["reference"] for inst in instances]
-            for inst, record in zip(instances, score_samples(samples, references, config)):
+            for inst, record in zip(instances, score_samples(samples, references, config, cache)):
                 inst.filtered_resps[name] = record
         return instances
 
@@ -201,37 +239,44 @@ def _as_text(response: Any) -> str:
     return response[0] if isinstance(response, list) else response
 
 
-def score_samples(samples: list[str], references: list[str], config) -> list[dict]:
-    """Per sample: Gen PPL terms and unigram entropy under the scorer, MAUVE features of the sample
-    and of its reference. Features come from the scorer model in process (vLLM serves no hidden
-    states); it is freed before a vLLM server starts, except inside a sweep (`blockgen sweep`), whose
-    settings share one copy (`scorers.borrow_featurizer`) and one server (``scorer_url``)."""
+def score_samples(samples: list[str], references: list[str], config, cache: Path | None = None) -> list[dict]:
+    """Per sample: Gen PPL terms and unigram entropy under the scorer, and where its MAUVE features and
+    its reference's are (`FeatureRow`s into files under `cache`, `harness.mauve_cache`; the reference
+    features are computed once per reference set and scorer, and kept in memory for the sweep).
+    Features come from the scorer model in process (vLLM serves no hidden states); it is freed before a
+    vLLM server starts, except inside a sweep (`blockgen sweep`), whose settings share one copy
+    (`scorers.borrow_featurizer`) and one server (``scorer_url``)."""
+    from blockgen.harness.mauve_cache import REFERENCES, SAMPLES, FeatureRow, cache_dir, features_file
     from blockgen.harness.scorers import borrow_featurizer, open_scorer, score_texts
 
+    cache = cache or cache_dir()
     with borrow_featurizer(config) as featurizer:
-        sample_features = featurizer.features(samples)
-        reference_features = featurizer.features(references)
+        identity = featurizer.feature_identity()
+        sample_file = str(features_file(cache / SAMPLES, identity, samples, featurizer.features))
+        reference_file = str(features_file(cache / REFERENCES, identity, references, featurizer.features, keep=True))
         if config.backend == "transformers":
             scores = score_texts(featurizer, samples)
     if config.backend != "transformers":
         with open_scorer(config) as scorer:
             scores = score_texts(scorer, samples)
     return [{"logprob": s.logprob, "tokens": s.tokens, "entropy": s.entropy,
-             "features": f.tolist(), "reference_features": r.tolist()}
-            for s, f, r in zip(scores, sample_features, reference_features)]
+             "features": FeatureRow(sample_file, i), "reference_features": FeatureRow(reference_file, i)}
+            for i, s in enumerate(scores)]
 
 
 def genppl_results(doc: dict, results: list) -> dict:
+    """Gen PPL terms, entropy, and for MAUVE only where the features are (a `MauvePair` of file and row:
+    the logged samples and the items gathered over ranks carry no vectors)."""
+    from blockgen.harness.mauve_cache import MauvePair
+
     record, = results
     return {"gen_ppl": (record["logprob"], record["tokens"]), "unigram_entropy": record["entropy"],
-            "mauve": (record["features"], record["reference_features"])}
+            "mauve": MauvePair(record["features"], record["reference_features"])}
 
 
-def mauve_score(items: list[tuple[list[float], list[float]]]) -> float:
-    """MAUVE (mauve-text) of the samples against the reference passages, on the scorer's features."""
-    import mauve
-    import numpy as np
+def mauve_score(items: list[MauvePair]) -> float:
+    """MAUVE (mauve-text) of the samples against the reference passages, on the scorer's features,
+    read from the files the items name (`harness.mauve_cache.mauve_of`)."""
+    from blockgen.harness.mauve_cache import mauve_of
 
-    samples = np.array([s for s, _ in items], dtype=np.float32)
-    references = np.array([r for _, r in items], dtype=np.float32)
-    return float(mauve.compute_mauve(p_features=references, q_features=samples, device_id=-1, verbose=False).mauve)
+    return mauve_of(items)

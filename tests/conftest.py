@@ -1,7 +1,24 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+_mauve_cache: str | None = None
+
+
+def pytest_configure(config):
+    """MAUVE's cache (harness/mauve_cache.py) of the tests and of the commands they start: a folder of
+    this session, not ~/.cache. Set before collection, so the modules' ENV copies carry it."""
+    global _mauve_cache
+    _mauve_cache = tempfile.mkdtemp(prefix="blockgen-test-mauve-")
+    os.environ["BLOCKGEN_MAUVE_CACHE"] = _mauve_cache
+
+
+def pytest_unconfigure(config):
+    if _mauve_cache:
+        shutil.rmtree(_mauve_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")
