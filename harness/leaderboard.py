@@ -66,6 +66,7 @@ class Row:
     total_calls: int | None = None  # model calls over the whole task
     k_mc: int | None = None  # Monte Carlo draws of the likelihood bound
     seed: int | None = None
+    sample_length: str | None = None  # owt_genppl: 'fixed' (L tokens, EOS kept) or 'eos' (stopped at EOS)
     # the run
     lm_eval_version: str | None = None
     commit: str | None = None
@@ -79,7 +80,7 @@ class Row:
     def key(self) -> tuple:
         """Rows with the same key describe the same measurement: a newer one replaces the older."""
         return (self.model, self.checkpoint_sha, self.task, self.metric, self.filter, self.sampler, self.steps,
-                self.ge, self.warmup, self.temperature, self.block_size, self.k_mc, self.seed, self.train_steps,
+                self.ge, self.warmup, self.temperature, self.block_size, self.k_mc, self.seed, self.train_steps, self.sample_length,
                 self.published, self.source if self.published else None)
 
 
@@ -310,6 +311,8 @@ def rows_from_results(results: dict[str, Any], source: str = "", model: str | No
         else:
             settings = _task_settings(info, report, output_type, wall)
         n = results.get("n-samples", {}).get(task, {}).get("effective")
+        task_metadata = results.get("configs", {}).get(task, {}).get("metadata") or {}
+        settings = {**settings, "sample_length": task_metadata.get("sample_length")}
         better = results.get("higher_is_better", {}).get(task, {})
         for name, value in metrics.items():
             if "," not in name or "_stderr," in name or _number(value) is None:

@@ -213,8 +213,9 @@ def sampler_model_args(sampler: SamplerConfig) -> dict[str, Any]:
 # Generation settings a task's gen_kwargs may override, and the SamplerConfig field each one sets.
 GEN_KWARGS = {"sampler": "name", "steps": "steps", "ge": "ge", "warmup": "warmup", "temperature": "temperature",
               "block_size": "block_size", "max_gen_toks": "max_new_tokens", "layout": "layout"}
-# lm-eval's generic keys: `until` is honoured; `do_sample` / temperature choose greedy or sampled AR.
-GENERIC_GEN_KWARGS = {"until", "do_sample"}
+# lm-eval's generic keys: `until` is honoured; `do_sample` / temperature choose greedy or sampled AR;
+# `ignore_eos` (vLLM's name): generate past EOS, keeping it as a token (owt_genppl's length-L samples).
+GENERIC_GEN_KWARGS = {"until", "do_sample", "ignore_eos"}
 
 
 def derive_seed(*parts: Any) -> int:
@@ -491,6 +492,7 @@ class _Plan(NamedTuple):
     seed: int
     task: str
     dropped: int  # prompt tokens cut from the left to fit
+    ignore_eos: bool = False  # the whole budget, EOS kept in the text as a token
 
 
 @register_model("blockgen")
@@ -896,6 +898,7 @@ class BlockGenLM(TemplateLM):
         return self._gen_settings_cache[key]
 
     def _resolve(self, gen_kwargs: dict) -> tuple[SamplerConfig, list[str]]:
+        gen_kwargs.pop("ignore_eos", None)  # read by `_plan`
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         do_sample = gen_kwargs.pop("do_sample", None)
@@ -944,10 +947,13 @@ class BlockGenLM(TemplateLM):
         dropped = max(0, len(prompt) - room)
         prompt = prompt[dropped:]
         seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(sampler), doc_id, repeat)
-        return _Plan(prompt, sampler, until, seed, task, dropped)
+        ignore_eos = (gen_kwargs or {}).get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"blockgen, task {task}: gen_kwargs ignore_eos={ignore_eos!r}; must be true or false")
+        return _Plan(prompt, sampler, until, seed, task, dropped, ignore_eos)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], keep_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=not keep_special)
 
     def _stop(self, until: list[str]) -> Callable[[list[int]], bool] | None:
         if not until:
@@ -978,14 +984,15 @@ class BlockGenLM(TemplateLM):
             sampler = replace(batch_plans[0].sampler, max_new_tokens=max(budgets))
             start = time.perf_counter()
             with self._precision():
-                result = generate(self.model, [p.prompt for p in batch_plans], sampler, self.special.eos, self.special.pad,
+                eos = -1 if batch_plans[0].ignore_eos else self.special.eos  # -1: no token stops a row
+                result = generate(self.model, [p.prompt for p in batch_plans], sampler, eos, self.special.pad,
                                   stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans],
                                   max_new_tokens=budgets, batch_invariant=self.batch_invariant["generation"],
                                   compile=self.args.compile)
             self.usage.generated(batch_plans[0].task, _settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
             for (req, plan), ids in zip(batch, result.tokens):
-                text = self._decode(ids)
+                text = self._decode(ids, keep_special=plan.ignore_eos)
                 for s in plan.until:  # the sampler stops after a block; cut at the first stop string
                     text = text.split(s)[0]
                 self.cache_hook.add_partial("generate_until", req.args, text)
@@ -1036,8 +1043,9 @@ def _owner(req) -> tuple[str, Any, int]:
 
 
 def _batch_key(plan: _Plan) -> dict:
-    """What the rows of one generation batch share: the task and the sampler settings but the budget."""
-    return {"task": plan.task, **{k: v for k, v in asdict(plan.sampler).items() if k != "max_new_tokens"}}
+    """What the rows of one generation batch share: the task, whether EOS stops a row, and the sampler
+    settings but the budget."""
+    return {"task": plan.task, "ignore_eos": plan.ignore_eos, **{k: v for k, v in asdict(plan.sampler).items() if k != "max_new_tokens"}}
 
 
 def _settings_record(config: BlockGenConfig, sampler: SamplerConfig) -> dict:

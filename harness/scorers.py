@@ -311,10 +311,12 @@ def unigram_entropy(ids: Sequence[int]) -> float:
 
 
 def tokenize_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Scorer tokens of texts; special-token strings inside a text read as plain text."""
+    """Scorer tokens of texts. A special-token string inside a text is that special token, as when the
+    paper's pipeline retokenizes decoded samples: the EOS a length-L sample keeps (owt_genppl's
+    sample_length='fixed') is the scorer's EOS, one token."""
     if not texts:
         return []
-    return tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return tokenizer(list(texts), add_special_tokens=False, split_special_tokens=False)["input_ids"]
 
 
 def score_texts(scorer: Scorer, texts: Sequence[str], progress: bool = True, batch_size: int | None = None) -> list[TextScore]:

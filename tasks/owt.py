@@ -177,6 +177,31 @@ def genppl_references(source: str = "owt", data_path: str | None = None, num_sam
     return _dataset([{"reference": p} for p in passages])
 
 
+SAMPLE_LENGTHS = ("fixed", "eos")
+
+
+def sample_length(metadata: dict) -> str:
+    """How long an unconditional sample is: 'fixed', the paper's N sequences of length L (the whole
+    budget, EOS kept as a token: a document boundary inside a sample, as in training's packed rows), or
+    'eos', stopped at its first EOS. Default: 'fixed' for a BlockGen checkpoint; 'eos' for other model
+    types, because lm-eval's hf backend always stops at EOS (it adds EOS to the stop strings)."""
+    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.tasks.model_info import model_path
+
+    path = model_path(metadata)
+    try:
+        blockgen = path is not None and read_config(path) is not None
+    except CheckpointError:
+        blockgen = False
+    value = metadata.get("sample_length") or ("fixed" if blockgen else "eos")
+    if value not in SAMPLE_LENGTHS:
+        raise ValueError(f"sample_length={value!r} in --metadata; choose from {list(SAMPLE_LENGTHS)}")
+    if value == "fixed" and not blockgen:
+        raise ValueError(f"sample_length='fixed' needs a BlockGen checkpoint ({path} is not one): lm-eval's other "
+                         "model types stop at EOS; use sample_length='eos'")
+    return value
+
+
 class OwtGenPPLTask(YamlClassTask):
     """Unconditional generation (the context is the model's BOS: `unconditional_context`); all samples
     are scored at once after generation.
@@ -205,6 +230,10 @@ class OwtGenPPLTask(YamlClassTask):
             gen_kwargs["max_gen_toks"] = self._budget(gen_kwargs)
         if "sampler" not in metadata and not {"do_sample", "temperature"} & set(gen_kwargs):
             gen_kwargs.update(do_sample=True, temperature=float(metadata.get("temperature") or 1.0))
+        self.sample_length = sample_length(metadata)
+        self.config.metadata = {**metadata, "sample_length": self.sample_length}  # the results record it
+        if self.sample_length == "fixed":
+            gen_kwargs["ignore_eos"] = True
         self.config.generation_kwargs = gen_kwargs
 
     def _budget(self, gen_kwargs: dict) -> int:

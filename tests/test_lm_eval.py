@@ -368,6 +368,35 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
     assert not any(c["compile"] for c in calls)  # eager unless compile=true
 
 
+def test_ignore_eos_generates_the_whole_budget_and_agrees_up_to_eos(ckpts, monkeypatch):
+    """gen_kwargs ignore_eos=true (owt_genppl's length-L samples): every row makes its whole budget with
+    EOS kept in its text; up to its first EOS a row is the sample the EOS-stopped request makes (the same
+    seed and the same draws: the stream of a row counts its own calls)."""
+    calls = _counting_generate(monkeypatch)
+    lm = _lm(ckpts["mixture"], seed=2, steps=2, temperature=1.0, batch_invariant=True)
+    budget, n = 24, 12
+    texts, rows = {}, {}
+    for ignore in (False, True):
+        reqs = _budget_requests([budget] * n)
+        for r in reqs:
+            r.arguments = (r.arguments[0], {**r.arguments[1], "ignore_eos": ignore})
+        texts[ignore] = lm.generate_until(reqs)
+        rows[ignore] = {seed: ids for c in calls for seed, ids in zip(c["seeds"], c["tokens"])}
+        calls.clear()
+    assert rows[False].keys() == rows[True].keys()  # the same seeds: ignore_eos does not enter them
+    stopped, full = ([rows[k][seed] for seed in sorted(rows[False])] for k in (False, True))
+    eos = lm.special.eos
+    assert all(len(ids) == budget for ids in full)
+    assert any(eos in ids for ids in full)  # the check below compares prefixes, not whole rows
+    for short, long in zip(stopped, full):
+        assert short == (long[: long.index(eos)] if eos in long else long)
+    eos_text = lm.tokenizer.decode([eos])
+    assert sum(eos_text in t for t in texts[True]) == sum(eos in ids for ids in full)  # EOS kept in the text
+    assert not any(eos_text in t for t in texts[False])
+    with pytest.raises(ValueError, match="ignore_eos='yes'"):
+        lm.generate_until(_requests("generate_until", [("a", {"until": [], "ignore_eos": "yes"})]))
+
+
 def test_compile_model_argument_reaches_generate(ckpts, monkeypatch):
     """--model_args compile=True (lm-eval's parsing) makes every generate call compile; a non-bool is
     refused. That compiled generation equals eager is tests/test_graphs.py's."""

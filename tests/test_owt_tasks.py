@@ -235,7 +235,7 @@ def test_owt_genppl_end_to_end_transformers_scorer(genppl_transformers, scorer_d
     model = GPT2LMHeadModel.from_pretrained(scorer_dir).eval()
     total, count, entropies, lengths = 0.0, 0, [], []
     for text in texts:
-        ids = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]  # special-token strings: special tokens
         lengths.append(len(ids))
         counts = torch.bincount(torch.tensor(ids)).double()
         p = counts[counts > 0] / len(ids)
@@ -248,12 +248,32 @@ def test_owt_genppl_end_to_end_transformers_scorer(genppl_transformers, scorer_d
                 logits = model(torch.tensor([seq[start:t]])).logits[0, -1]
             total += logits.log_softmax(-1)[seq[t]].item()
             count += 1
-    # Samples end at the model's EOS (training chunks are framed BOS ... EOS, as the authors'); some must
-    # be longer than one window of the 32-token scorer, so that the windows are exercised.
-    assert max(lengths) > 31, lengths
+    # Length-L samples (sample_length 'fixed', the default for a BlockGen checkpoint): every sample is
+    # the whole budget, EOS kept as the scorer's EOS token; longer than one window of the 32-token scorer.
+    assert min(lengths) > 31, lengths
+    assert any(tok.eos_token_id in tok(text, add_special_tokens=False)["input_ids"] for text in texts)
+    (path,) = genppl_transformers.rglob("results_*.json")
+    report = json.loads(path.read_text())
+    assert report["configs"]["owt_genppl_embedded"]["metadata"]["sample_length"] == "fixed"
+    (setting,) = report["config"]["blockgen"]["tasks"]["owt_genppl_embedded"]["generate_until"]["settings"]
+    assert setting["generated_tokens"] == N_SAMPLES * setting["max_gen_toks"]  # no sample stopped early
     assert metrics["unigram_entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-9)
     assert metrics["gen_ppl"] == pytest.approx(math.exp(-total / count), rel=1e-5)
     assert 0.0 <= metrics["mauve"] <= 1.0
+
+
+def test_sample_length_defaults_and_choices(mix_checkpoint, scorer_dir):
+    """'fixed' (length L, EOS kept) for a BlockGen checkpoint, 'eos' for another model type (lm-eval's hf
+    backend stops at EOS), 'fixed' refused there; a bad value names the choices."""
+    from blockgen.tasks.owt import sample_length
+
+    assert sample_length({"pretrained": str(mix_checkpoint)}) == "fixed"
+    assert sample_length({"pretrained": str(mix_checkpoint), "sample_length": "eos"}) == "eos"
+    assert sample_length({"pretrained": str(scorer_dir)}) == "eos"
+    with pytest.raises(ValueError, match="needs a BlockGen checkpoint"):
+        sample_length({"pretrained": str(scorer_dir), "sample_length": "fixed"})
+    with pytest.raises(ValueError, match=r"choose from \['fixed', 'eos'\]"):
+        sample_length({"pretrained": str(mix_checkpoint), "sample_length": "L"})
 
 
 def test_owt_genppl_missing_scorer_fails_before_generating(work, mix_checkpoint):
