@@ -183,7 +183,7 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict
                 wall, _ = best(lambda: sweep._evaluate(s, g, lm, rng, pool, Path(tmp) / task, "cpu"), repeats)
             finally:
                 pool.close()
-            priced, _ = sweep.estimate(g, s, model, metadata)
+            priced = sweep.estimate(g, s, model, metadata).seconds
             out[task] = max(0.0, wall - priced)
             print(f"overhead of {task}: setting {s.run} {s.label} at limit {limit}: {wall:.2f} s wall, "
                   f"{priced:.2f} s priced work -> {out[task]:.2f} s per setting")

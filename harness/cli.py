@@ -305,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "subcommand"}
         summary = run_gpu_check(GpuCheckConfig(**given))
         print(json.dumps(summary, indent=2))
+        for name in summary["failed"]:  # the verdict and its fix where a human reads it, after the JSON
+            stage = summary["stages"][name]
+            why = stage.get("error") or stage.get("skipped") or "a run failed (see its runs)"
+            print(f"blockgen gpu-check: stage {name} failed: {why.splitlines()[0]}"
+                  + (f"\n  fix: {stage['fix']}" if "fix" in stage else ""), file=sys.stderr)
         return 0 if summary["ok"] else 1
     if args.subcommand == "demo":
         from blockgen.harness.demo import run_demo

@@ -6,12 +6,16 @@ per other block size: `likelihood_passes`), sampler calls over all blocks of a s
 (`calls_per_block` x blocks, ARPC's AR passes included), or one call per token for AR decoding;
 plus the samples a Gen PPL scorer reads.
 
-Two prices, never mixed in one total:
+Prices (`Price`: the headline seconds, and at full scale the FLOP bound beside it):
 - offline grids (CPU): **measured** seconds per batched call of each kind (`CPU_RATES`), per preset at
   the grid's batch size, from `bench/bench_eval_cost.py` (which prints the table below);
-- full-scale grids (GPU): **derived** H200 seconds, `released.plan_cost`: the reference bf16 H200
-  training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x 1,024), a forward = 1/3 of a step,
-  scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
+- full-scale grids (GPU): the work counted by `released.plan_cost` (`FullScalePlan`) times the
+  **measured** seconds per batched call of a rates file (harness/rates.py: `make gpu-check` writes one,
+  the stored H100 file otherwise), in the setting's own precision (`full_scale_price`); a part without
+  a measured rate (e.g. likelihood passes the file lacks, the Gen PPL scorer) is priced by the
+  **derived** FLOP bound and counted apart (`Price.derived`). The FLOP bound of the whole setting is
+  printed beside it: the reference bf16 H200 training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x
+  1,024), a forward = 1/3 of a step, scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from blockgen.harness.rates import Rates
 
 Kind = Literal["likelihood", "diffusion", "ar"]
 
@@ -46,6 +53,50 @@ class Work:
         what = {"likelihood": "passes", "diffusion": "sampler calls", "ar": "AR calls (one per token)"}[self.kind]
         text = f"{self.rows} rows / {self.batch} per call x {self.calls} {what} = {self.batched_calls} batched calls"
         return text + (f"; {self.scored} samples scored" if self.scored else "")
+
+
+@dataclass(frozen=True)
+class FullScalePlan:
+    """A full-scale setting's counted work and its FLOP bound in derived H200-seconds (`released.plan_cost`)."""
+
+    work: Work
+    algo: str  # released.ALGOS: blockgen, ar, mdlm, duo
+    prior: str | None  # masked or uniform (None: a plain AR model)
+    seq_len: int
+    model_s: float  # the model calls' FLOP bound
+    what: str
+    sampler: str | None = None  # None: the likelihood setting
+    block: int = 0  # tokens per block of the sampler's calls
+    scorer_s: float = 0.0  # the Gen PPL scorer's FLOP bound (GPT-2 Large)
+
+    @property
+    def bound(self) -> float:
+        return self.model_s + self.scorer_s
+
+
+@dataclass(frozen=True)
+class Price:
+    """A setting's price: `seconds` is the headline (None: not priced), `what` the work counted and how it was priced."""
+
+    seconds: float | None
+    what: str
+    bound: float | None = None  # full scale: the FLOP bound of the whole setting (derived H200-seconds)
+    derived: float = 0.0  # the part of `seconds` priced by the FLOP bound, for want of a measured rate
+
+
+def full_scale_price(plan: FullScalePlan, precision: str, rates: Rates) -> Price:
+    """The model calls at the rates file's measured seconds per batched call (`rates.Rates`) in `precision`
+    (harness/rates.py `precision_label`); the scorer, and calls the file has no rate for, at the FLOP bound."""
+    if plan.sampler is None:
+        prior = None if plan.algo == "ar" else plan.prior
+        per_call, how = rates.pass_seconds(plan.algo, prior, plan.seq_len, plan.work.batch, precision)
+    else:
+        per_call, how = rates.call_seconds(plan.sampler, plan.block, plan.work.batch, precision)
+    calls, scorer = plan.work.batched_calls, "; scorer: FLOP bound" if plan.scorer_s else ""
+    if per_call is None:
+        return Price(plan.bound, f"{plan.what}; {calls} batched calls, {how}: FLOP bound{scorer}", plan.bound, derived=plan.bound)
+    what = f"{plan.what}; {calls} batched calls x {per_call * 1e3:.2f} ms ({how}){scorer}"
+    return Price(calls * per_call + plan.scorer_s, what, plan.bound, derived=plan.scorer_s)
 
 
 def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:
@@ -164,11 +215,14 @@ CPU_ASSUMPTIONS = ("CPU-seconds = batched calls x seconds per call MEASURED by b
                    "else the task's documents; generation budget: owt fills the model, gsm8k 3/4 of its length "
                    "(full batches: one batch per sampler setting, per-row budgets inside it) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
                    "(score, MAUVE features and MAUVE); model loads not counted")
-FULL_SCALE_ASSUMPTIONS = ("H200-hours DERIVED, not measured (released.plan_cost): a forward = 1/3 of the reference "
+FULL_SCALE_ASSUMPTIONS = ("GPU-hours = batched calls x seconds per batched call MEASURED on the rates file's device "
+                          "(harness/rates.py: sampler calls per sampler and block size, likelihood passes per model and prior; "
+                          "a batch between two measured ones interpolated; the setting's precision, else its dtype with TF32 "
+                          "the other way), the parts without a measured rate (likelihood passes or block sizes the file "
+                          "lacks, the Gen PPL scorer) at the FLOP bound; model loads and vLLM start-up not counted. "
+                          "FLOP bound beside it: H200-hours DERIVED (released.plan_cost): a forward = 1/3 of the reference "
                           "bf16 H200 training step (0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024), "
-                          "scaled by tokens; assumes bf16 matmuls (dtype=bfloat16; float32 without TF32 runs several "
-                          "times slower); generation FLOP-proportional, a lower bound (cached calls of a 16-32-token "
-                          "block are latency-bound: multiply the batched calls by a per-call latency, 12-14 ms measured on an H100 at "
-                          "paper size, docs/results.md); "
-                          "uniform prior's float64 NELBO not counted; owt_ppl: the whole held-out split as the paper "
-                          "(last 100k documents, ~110,000 chunks of 1,024), gsm8k: 1,319 problems x 256 tokens")
+                          "scaled by tokens; assumes bf16 matmuls; generation FLOP-proportional, a lower bound (cached "
+                          "calls of a 16-32-token block are latency-bound); uniform prior's float64 NELBO not counted. "
+                          "owt_ppl: the whole held-out split as the paper (last 100k documents, ~110,000 chunks of 1,024), "
+                          "gsm8k: 1,319 problems x 256 tokens")

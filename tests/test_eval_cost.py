@@ -6,9 +6,11 @@ and `blockgen sweep --dry-run`'s cost lines (harness/eval_cost.py, harness/sweep
   keeps its fingerprint, and `auto` is the same; bfloat16 (autocast) moves a micro model's bounds by
   little but does move them, while the logits, and so the bounds, stay float32/float64.
 - TF32 flags are set only inside the adapter's model calls and restored after.
-- The dry run prices each setting (CPU-seconds from the measured rates offline, derived H200-hours at
-  full scale), names its assumptions, and its per-model subtotals and total are the lines' sums; the
-  counted work follows the samplers' calls and the bound's passes.
+- The dry run prices each setting (CPU-seconds from the measured rates offline; at full scale hours at
+  the rates file's measured rates, the derived FLOP bound where it has none and beside each line),
+  names its assumptions and its rates file, and its per-model subtotals and total are the lines' sums;
+  the counted work follows the samplers' calls and the bound's passes. (The rates file itself:
+  tests/test_rates.py.)
 - The `owt` grid scores the whole held-out split (the paper's validation set): no limit.
 """
 
@@ -181,7 +183,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
 
     g = GRIDS["gsm8k-embedded"]
     todo = {(s.run, s.label): s for s in sweep.settings(g)}
-    seconds, what = sweep.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
+    price = sweep.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
+    seconds, what = price.seconds, price.what
     per_block = calls_per_block(SamplerConfig("arpc", steps=6, ge=3, warmup=0, block_size=16), 16)
     # 16 problems in full batches (one batch per setting, per-row budgets inside it), a budget of
     # 128 - 128 // 4 tokens in blocks of 16
@@ -191,8 +194,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     extra = 16 * eval_cost.CPU_SANDBOX_PROGRAM_S + eval_cost.CPU_SETTING_OVERHEAD_S["gsm8k_code_embedded"]
     assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
     demo = GRIDS["demo"]  # a max_gen_toks cap: full batches of the capped budget
-    seconds, what = sweep.estimate(demo, next(s for s in sweep.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
-                                              and s.run == "gsm-masked-mix"), "gsm-masked-mix")
+    what = sweep.estimate(demo, next(s for s in sweep.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
+                                     and s.run == "gsm-masked-mix"), "gsm-masked-mix").what
     assert f"500 rows / {demo.batch_size} per call x {4 * 80 // 16} sampler calls" in what
     assert eval_cost.Work("likelihood", 16, 8, eval_cost.likelihood_passes((1, 16), 2)).batched_calls == 2 * 3
     assert eval_cost.likelihood_passes((1, 2, 4, 8, 16), 8) == 33  # mix-flat at K_MC 8
@@ -202,17 +205,26 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     assert eval_cost.cpu_rate("no-such-preset", 8) == (None, "no measured rate for no-such-preset")
 
 
-def test_full_scale_dry_run_is_derived_and_scores_the_whole_held_out_split():
+def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores_the_whole_held_out_split(monkeypatch, tmp_path):
+    from blockgen.harness import rates
     from blockgen.harness.released import OWT_PPL_SEQUENCES
 
+    monkeypatch.chdir(tmp_path)  # no runs/gpu-check/rates.json: the stored rates, whatever gpu-check wrote here
     g = GRIDS["owt"]
     assert g.limit is None  # the paper's Val. PPL: every held-out chunk (the authors validate on all of it)
     text = _dry_run("owt")
-    assert "DERIVED, not measured" in text and "bf16" in text and "lower bound" in text
+    assert "MEASURED on the rates file's device" in text and "H200-hours DERIVED" in text and "lower bound" in text
+    assert re.search(rf"# rates: \S*{rates.STORED_RATES.name}: NVIDIA H100 80GB HBM3, paper size, 2026-11-26", text)
     flat = [line for line in _lines(text) if line.startswith("owt-masked-mix-flat  owt_ppl  likelihood")]
     assert len(flat) == 1 and f"{OWT_PPL_SEQUENCES} sequences x 33 passes" in flat[0]
-    total = float(re.search(r"total: .*, ([0-9.]+) H200-h", text).group(1))
-    assert total == pytest.approx(_sum(_lines(text), "H200-h"), rel=0.01)
+    assert "FLOP bound" in flat[0]  # the stored file has no likelihood passes: priced by the bound
+    total, measured, derived, bound = map(float, re.search(
+        r"total: .*, ([0-9.]+) h \(([0-9.]+) GPU-h at measured rates .* \+ ([0-9.]+) H200-h FLOP bound where no rate "
+        r"was measured; FLOP bound of all: ([0-9.]+) H200-h", text).groups())
+    assert total == pytest.approx(_sum(_lines(text), "h"), rel=0.01) and total == pytest.approx(measured + derived, abs=0.002)
+    bounds = sum(float(m.group(1)) for line in _lines(text) if (m := re.search(r"\(bound ([0-9.]+) H200-h\)", line)))
+    assert bound == pytest.approx(bounds, rel=0.01)
+    assert measured > 3 * bound  # the measured 12-19 ms per call, where the FLOP count sees microseconds
 
 
 def test_sweep_precision_reaches_every_setting_and_its_own_folders():

@@ -31,6 +31,7 @@ import pytest
 
 from blockgen.harness import cli, leaderboard, sweep
 from blockgen.harness.distributed import decided_on_rank0
+from blockgen.harness.eval_cost import Price
 from blockgen.harness.grids import GRIDS
 from blockgen.harness.sweep import Shard, SweepConfig, priced, run_sweep, settings, split
 from limits import HANG_S
@@ -84,9 +85,9 @@ def test_an_unpriced_setting_counts_as_the_median_price(monkeypatch):
     g = GRIDS["owt-embedded"]
     todo = settings(g, "/nonexistent")[:5]
     prices = iter([None, 1.0, 2.0, None, 10.0])
-    monkeypatch.setattr(sweep, "estimate", lambda *args: (next(prices), ""))
+    monkeypatch.setattr(sweep, "estimate", lambda *args: Price(next(prices), ""))
     assert priced(g, todo) == [2.0, 1.0, 2.0, 2.0, 10.0]
-    monkeypatch.setattr(sweep, "estimate", lambda *args: (None, ""))
+    monkeypatch.setattr(sweep, "estimate", lambda *args: Price(None, ""))
     assert priced(g, todo) == [1.0] * 5  # nothing priced: every setting counts the same
 
 
@@ -109,7 +110,9 @@ def dry_run_lines(*args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["owt-embedded", "gsm8k"])
-def test_the_shards_dry_runs_list_the_grids_settings_once(name):
+def test_the_shards_dry_runs_list_the_grids_settings_once(name, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no runs/gpu-check/rates.json: unsharded too, the stored rates, as the shards
+
     def setting_lines(lines):
         return [line for line in lines if not line.startswith(("#", "total:"))]
 
