@@ -23,7 +23,8 @@ def test_wheel_holds_one_namespace_and_the_hook(tmp_path):
     assert top == {"blockgen", "blockgen-lm-eval-hook.pth", next(t for t in top if t.endswith(".dist-info"))}
     for module in ("blockgen/models/backbone.py", "blockgen/harness/train.py", "blockgen/tasks/sandbox.py",
                    "blockgen/tasks/blockgen_toy_cloze.yaml", "blockgen/lm_eval/__main__.py",
-                   "blockgen/harness/templates/leaderboard.html"):  # the page's template (package data)
+                   "blockgen/harness/templates/leaderboard.html",  # the page's template (package data)
+                   "blockgen/harness/measured_rates/nvidia-h100-80gb-hbm3.json"):  # the stored rates the dry run prices with
         assert module in names
 
 
