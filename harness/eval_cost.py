@@ -11,7 +11,7 @@ Prices (`Price`: the headline seconds, and at full scale the FLOP bound beside i
   the grid's batch size, from `bench/bench_eval_cost.py` (which prints the table below);
 - full-scale grids (GPU): the work counted by `released.plan_cost` (`FullScalePlan`) times the
   **measured** seconds per batched call of a rates file (harness/rates.py: `make gpu-check` writes one,
-  the stored H100 file otherwise), in the setting's own precision (`full_scale_price`); a part without
+  the stored H100 file otherwise), in the setting's own precision (`rates.full_scale_price`); a part without
   a measured rate (e.g. likelihood passes the file lacks, the Gen PPL scorer) is priced by the
   **derived** FLOP bound and counted apart (`Price.derived`). The FLOP bound of the whole setting is
   printed beside it: the reference bf16 H200 training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x
@@ -23,10 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from blockgen.harness.rates import Rates
+from typing import Literal
 
 Kind = Literal["likelihood", "diffusion", "ar"]
 
@@ -82,21 +79,6 @@ class Price:
     what: str
     bound: float | None = None  # full scale: the FLOP bound of the whole setting (derived H200-seconds)
     derived: float = 0.0  # the part of `seconds` priced by the FLOP bound, for want of a measured rate
-
-
-def full_scale_price(plan: FullScalePlan, precision: str, rates: Rates) -> Price:
-    """The model calls at the rates file's measured seconds per batched call (`rates.Rates`) in `precision`
-    (harness/rates.py `precision_label`); the scorer, and calls the file has no rate for, at the FLOP bound."""
-    if plan.sampler is None:
-        prior = None if plan.algo == "ar" else plan.prior
-        per_call, how = rates.pass_seconds(plan.algo, prior, plan.seq_len, plan.work.batch, precision)
-    else:
-        per_call, how = rates.call_seconds(plan.sampler, plan.block, plan.work.batch, precision)
-    calls, scorer = plan.work.batched_calls, "; scorer: FLOP bound" if plan.scorer_s else ""
-    if per_call is None:
-        return Price(plan.bound, f"{plan.what}; {calls} batched calls, {how}: FLOP bound{scorer}", plan.bound, derived=plan.bound)
-    what = f"{plan.what}; {calls} batched calls x {per_call * 1e3:.2f} ms ({how}){scorer}"
-    return Price(calls * per_call + plan.scorer_s, what, plan.bound, derived=plan.scorer_s)
 
 
 def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:

@@ -28,6 +28,8 @@ from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from blockgen.harness.eval_cost import FullScalePlan, Price
+
 RATES_VERSION = 1
 RATES_FILE = "rates.json"  # in gpu-check's output folder
 GPU_CHECK_FOLDER = "gpu-check"  # gpu-check's output folder in the runs folder (`make gpu-check`: $(RUNS)/gpu-check)
@@ -288,3 +290,18 @@ def rate_source(explicit: str | None = None, user: Path | None = None) -> RateSo
     elif user is None:
         note = "a sharded sweep prices with --rates or the stored file, never with gpu-check's file by itself"
     return RateSource(read_rates(STORED_RATES), STORED_RATES, note)
+
+
+def full_scale_price(plan: FullScalePlan, precision: str, rates: Rates) -> Price:
+    """The model calls at the rates file's measured seconds per batched call (`Rates`) in `precision`
+    (`precision_label`); the scorer, and calls the file has no rate for, at the FLOP bound."""
+    if plan.sampler is None:
+        prior = None if plan.algo == "ar" else plan.prior
+        per_call, how = rates.pass_seconds(plan.algo, prior, plan.seq_len, plan.work.batch, precision)
+    else:
+        per_call, how = rates.call_seconds(plan.sampler, plan.block, plan.work.batch, precision)
+    calls, scorer = plan.work.batched_calls, "; scorer: FLOP bound" if plan.scorer_s else ""
+    if per_call is None:
+        return Price(plan.bound, f"{plan.what}; {calls} batched calls, {how}: FLOP bound{scorer}", plan.bound, derived=plan.bound)
+    what = f"{plan.what}; {calls} batched calls x {per_call * 1e3:.2f} ms ({how}){scorer}"
+    return Price(calls * per_call + plan.scorer_s, what, plan.bound, derived=plan.scorer_s)

@@ -708,7 +708,7 @@ def forward_seconds(stream: str, tokens: float) -> float:
 def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> FullScalePlan:
     """One setting's counted work and FLOP bound (H200-seconds, derived): `run` is sampler:steps:ge:warmup or
     'likelihood'. Generation also counts its batched model calls (`batch` rows per call), whose latency the
-    FLOP count does not see: `eval_cost.full_scale_price` prices them with measured rates."""
+    FLOP count does not see: `rates.full_scale_price` prices them with measured rates."""
     setting = parse_release_path(RELEASES[name])
     seq_len = DATASETS[setting.dataset].seq_len
     sizes = setting.block_sizes or ((1,) if setting.algo == "ar" else (seq_len,))

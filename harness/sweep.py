@@ -71,7 +71,7 @@ from blockgen.harness.eval_cost import Price
 from blockgen.harness.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
 from blockgen.harness.precision import DTYPES, check_dtype
 from blockgen.harness.presets import PRESETS, preset
-from blockgen.harness.rates import Rates, RateSource, gpu_check_rates, precision_label, rate_source
+from blockgen.harness.rates import Rates, RateSource, full_scale_price, gpu_check_rates, precision_label, rate_source
 from blockgen.harness.sampler_grid import Variant
 
 LIKELIHOOD = "likelihood"
@@ -205,7 +205,7 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
             return Price(plan.bound, f"{plan.what}; {plan.work.batched_calls} batched calls; no rates file: FLOP bound",
                          plan.bound, derived=plan.bound)
         extra = dict(s.extra)
-        return eval_cost.full_scale_price(plan, precision_label(extra.get("dtype"), bool(extra.get("tf32"))), rates)
+        return full_scale_price(plan, precision_label(extra.get("dtype"), bool(extra.get("tf32"))), rates)
     preset_name = model if g.demo else g.run_name(model)
     if preset_name not in PRESETS:  # a run trained under --runs with settings of its own: no rate applies
         return Price(None, "not a preset: no measured rate")
