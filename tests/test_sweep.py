@@ -245,6 +245,23 @@ def test_vllm_server_flags_and_gpu_per_rank():
     assert server_gpu({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2"}) == "2"
 
 
+def test_vllm_server_share_is_sized_from_the_free_memory():
+    """--gpu-memory-utilization: half the GPU when the evaluated model leaves that free, less when it holds
+    more (what is free less the headroom: vLLM refuses a share that is not free), a clear error when
+    the server would get under MIN_SERVER_GIB; the command passes the sized share."""
+    from blockgen.harness.scorers import GPU_HEADROOM, ScorerConfig, ScorerError, VLLMBuild, VLLMServer, gpu_memory_share
+
+    gib = 2**30
+    assert gpu_memory_share(70 * gib, 80 * gib) == 0.5
+    assert gpu_memory_share(30 * gib, 80 * gib) == pytest.approx(30 / 80 - GPU_HEADROOM, abs=1e-3)
+    with pytest.raises(ScorerError, match="lower --batch_size"):
+        gpu_memory_share(int(5.5 * gib), 80 * gib)
+    server = VLLMServer(ScorerConfig(backend="vllm", model="m"))
+    server.memory_share = 0.325
+    cmd = server.command("py", 8000, VLLMBuild("py", "vllm", "0.32.0", "12.8"))
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.325"
+
+
 def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
     python = vllm_python()
     ok = subprocess.run([str(BIN / "blockgen"), "scorers", "check-vllm", "--python", python],
