@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 
 from blockgen.harness.checkpoint import CONFIG, WEIGHTS, CheckpointError, save_checkpoint
+from blockgen.harness.data import file_id
 from blockgen.harness.eval_cost import FullScalePlan, Work, generation_calls, likelihood_passes
 from blockgen.harness.hub import OFFLINE_HINT, HubUnavailableError
 from blockgen.models.backbone import ModelShape
@@ -506,12 +507,6 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "blockgen" / "released")
 
 
-def _file_id(path: Path) -> list:
-    real = path.resolve()
-    stat = real.stat()
-    return [str(real), stat.st_size, stat.st_mtime_ns]
-
-
 def import_release(pretrained: str | Path, overrides: ReleaseOverrides = ReleaseOverrides(), out_dir: str | Path | None = None) -> Path:
     """Convert a release once into a checkpoint directory of this project (cached; returns its path).
 
@@ -532,7 +527,7 @@ def import_release(pretrained: str | Path, overrides: ReleaseOverrides = Release
     if tokenizer_name is None:
         raise ReleaseError(f"{source}: the path names no dataset with a known tokenizer ({sorted(DATASETS)}); "
                            f"fix: tokenizer=<directory or hub name>")
-    key = hashlib.sha256(json.dumps([_file_id(folder / CONFIG), _file_id(folder / WEIGHTS), asdict(setting), source,
+    key = hashlib.sha256(json.dumps([file_id(folder / CONFIG), file_id(folder / WEIGHTS), asdict(setting), source,
                                      _tokenizer_id(tokenizer_name)]).encode()).hexdigest()[:20]
     target = Path(out_dir) if out_dir is not None else cache_root() / key
     if out_dir is None and (target / CONFIG).is_file() and (target / WEIGHTS).is_file():
