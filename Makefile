@@ -46,6 +46,7 @@ help:
 	@echo "  MODELS_OWT=$(MODELS_OWT)"
 	@echo "  MODELS_GSM=$(MODELS_GSM)"
 	@echo "  training: STEPS=$(STEPS) BATCH=$(BATCH) MICRO_BATCH=$(MICRO_BATCH) LR=$(LR) SEQ_LEN=$(SEQ_LEN) SIZE=$(SIZE)"
+	@echo "            MAX_RESTARTS=$(MAX_RESTARTS) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) (torchrun: restarts of a failed run, seconds a signalled run gets to save)"
 	@echo "            (MICRO_BATCH: sequences per GPU per forward/backward; accumulation = BATCH / (NPROC x MICRO_BATCH))"
 	@echo "            PRIOR=$(PRIOR) BLOCK_SIZES=$(BLOCK_SIZES) BLOCK_WEIGHTS=$(BLOCK_WEIGHTS)"
 	@echo "            PRECISION=$(PRECISION) ATTENTION=$(ATTENTION) COMPILE=$(COMPILE) TRAIN_ARGS=$(TRAIN_ARGS)"
@@ -194,9 +195,15 @@ define prepare_run
 
 endef
 
-# One training run: $(1) benchmark, $(2) variant.
+# One training run: $(1) benchmark, $(2) variant. torchrun restarts a failed run up to MAX_RESTARTS
+# times (each resumes from the last complete checkpoint; docs/training.md, "Faults"). It forwards
+# SIGUSR1 as well as SIGTERM to the workers (each saves and exits 128 + the signal's number) and waits
+# SHUTDOWN_TIMEOUT seconds for them before SIGKILL: enough for a step and a paper-size save.
+MAX_RESTARTS ?= 3
+SHUTDOWN_TIMEOUT ?= 300
 define train_run
-	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) -m blockgen.harness.cli train \
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
+		--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=$(SHUTDOWN_TIMEOUT) -m blockgen.harness.cli train \
 		--preset $(1)$(SCALE)-$(2) --out-dir $(RUNS)/$(1)$(SCALE)-$(2) --device $(DEVICE) $(TRAIN_OPTS)
 
 endef

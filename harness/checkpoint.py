@@ -2,8 +2,14 @@
 
 `model.safetensors` holds the weights used for evaluation (the EMA weights when training keeps an
 EMA). A resumable run also keeps `training_state.pt` (raw weights, optimizer, EMA, step, RNG).
-Every save writes into a temporary sibling directory and renames it into place, so a crash never
-leaves a half-written checkpoint behind.
+
+Crash safety (`save_checkpoint`, `restore_latest_checkpoint`): two slots, `DIR` (the newest complete
+checkpoint, the path evaluation reads) and `DIR.prev` (the one before it). A save writes everything
+into `DIR.tmp`, fsyncs the files and the folder, then renames `DIR` to `DIR.prev` and `DIR.tmp` to
+`DIR` and fsyncs the parent folder. A kill at any moment leaves `DIR` or `DIR.prev`
+complete; `.tmp` is never trusted (it may be partial) and is removed by the next save. On resume the
+newest slot that reads cleanly is put back at `DIR`; a torn one is moved aside to `NAME.torn` with a
+warning naming it (left in place, the next save would rotate it over the good `.prev`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +38,58 @@ class CheckpointError(RuntimeError):
     pass
 
 
+PREVIOUS, TMP, TORN = ".prev", ".tmp", ".torn"  # suffixes of the sibling folders beside a checkpoint
+# Test hook (tests/test_restart.py): "STEP:POINT" makes the process saving step STEP kill itself with
+# SIGKILL at POINT, "written" (the new checkpoint complete in .tmp) or "rotated" (the old one already
+# renamed to .prev, the new one not yet in place): the two moments a crash inside a save can hit.
+KILL_IN_SAVE_ENV = "BLOCKGEN_TEST_KILL_IN_SAVE"
+
+
+def _sibling(directory: Path, suffix: str) -> Path:
+    return directory.with_name(directory.name + suffix)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then the folders: a rename is durable only after its contents are."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(Path(folder) / name, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(folder))
+
+
+def _test_kill(point: str, extra: dict[str, Any] | None) -> None:
+    if os.environ.get(KILL_IN_SAVE_ENV) == f"{(extra or {}).get('step')}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save_checkpoint(
     directory: str | Path,
     model: BlockGen,
     tokenizer=None,
     training_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    keep_previous: bool = False,
+    keep_copy: str | Path | None = None,
 ) -> Path:
-    """Atomically write a checkpoint directory (replacing any previous one).
+    """Write a checkpoint directory crash-safely (module docstring), replacing any previous one.
 
     `extra`: JSON metadata stored under config.json's "training" key (step, data, ...).
+    `keep_previous`: leave the replaced checkpoint as `DIR.prev` (training's second slot), else remove it.
+    `keep_copy`: also put a copy at this path, unless one is there already (kept copies are never
+    overwritten; a rerun of the same step would write the same bytes).
     """
     directory = Path(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp, prev = _sibling(directory, TMP), _sibling(directory, PREVIOUS)
+    shutil.rmtree(tmp, ignore_errors=True)  # a save killed while writing (never trusted)
     tmp.mkdir(parents=True)
     config = {"model_type": "blockgen", **model.config.to_dict(), "training": extra or {}}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
@@ -53,25 +99,60 @@ def save_checkpoint(
         tokenizer.save_pretrained(str(tmp))
     if training_state is not None:
         torch.save(training_state, tmp / TRAINING_STATE)
-    old = directory.with_name(directory.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_tree(tmp)
+    _test_kill("written", extra)
+    if keep_copy is not None and not Path(keep_copy).exists():
+        keep_copy = Path(keep_copy)
+        keep_tmp = _sibling(keep_copy, TMP)
+        shutil.rmtree(keep_tmp, ignore_errors=True)
+        shutil.copytree(tmp, keep_tmp)
+        _fsync_tree(keep_tmp)
+        os.rename(keep_tmp, keep_copy)
+        _fsync_dir(keep_copy.parent)
     if directory.exists():
-        os.rename(directory, old)
+        shutil.rmtree(prev, ignore_errors=True)  # `directory` is complete while the older slot goes
+        os.rename(directory, prev)
+    _test_kill("rotated", extra)
     os.rename(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(directory.parent)
+    if not keep_previous:
+        shutil.rmtree(prev, ignore_errors=True)
     return directory
 
 
-def finish_interrupted_save(directory: str | Path) -> None:
-    """Complete a save that was killed between its two renames (only `.old` and `.tmp` exist).
+def _check_slot(directory: Path) -> None:
+    """Read every file a resume needs (CheckpointError or another exception when one is torn)."""
+    read_config(directory)
+    read_weights(directory / WEIGHTS, "")
+    torch.load(directory / TRAINING_STATE, map_location="cpu", weights_only=False)
 
-    The `.tmp` directory is renamed into place only after it is complete, and `.old` exists only
-    from that moment on, so `.old` without `directory` means `.tmp` is a whole checkpoint.
+
+def restore_latest_checkpoint(directory: str | Path) -> Path | None:
+    """Put the newest slot that reads cleanly at `directory` and return it (None: nothing to resume).
+
+    `directory` is tried before `DIR.prev`: a save renames the older checkpoint to `.prev` before the
+    newer one appears, so `.prev` is never the newer. A torn slot is moved to `NAME.torn` with a
+    warning; `.prev` chosen (the newer one torn, or killed between the two renames of a save) is
+    renamed to `directory`, so evaluation finds the checkpoint training resumes from.
     """
     directory = Path(directory)
-    tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
-    if not directory.exists() and old.is_dir() and tmp.is_dir():
-        os.rename(tmp, directory)
+    for slot in (directory, _sibling(directory, PREVIOUS)):
+        if not slot.is_dir():
+            continue
+        try:
+            _check_slot(slot)
+        except Exception as err:  # torch.load and safetensors raise their own types on truncation
+            torn = _sibling(slot, TORN)
+            shutil.rmtree(torn, ignore_errors=True)
+            os.rename(slot, torn)
+            reason = " ".join(str(err).split())[:300]
+            print(f"blockgen: warning: skipping torn checkpoint {slot} (moved to {torn}): {reason}", file=sys.stderr, flush=True)
+            continue
+        if slot != directory:
+            os.rename(slot, directory)
+            _fsync_dir(directory.parent)
+        return directory
+    return None
 
 
 def read_config(directory: str | Path) -> BlockGenConfig:

@@ -82,9 +82,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k not in ("subcommand", "preset")}
     data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
     base = preset(args.preset)
-    for key in ("block_sizes", "block_weights"):
-        if key in given:
-            given[key] = tuple(given[key])
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}  # nargs="+" gives lists
     return replace(base, **given, data=replace(base.data, **data_over))
 
 
@@ -261,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.subcommand == "train":
         from blockgen.harness.checkpoint import CheckpointError
         from blockgen.harness.hub import HubUnavailableError
-        from blockgen.harness.train import train
+        from blockgen.harness.train import TrainingStopped, train
 
         try:  # the errors a user's settings or files cause: one line each, naming the choices
             print(f"checkpoint: {train(config_from_args(args))}")
         except (ValueError, CheckpointError, HubUnavailableError) as err:
             print(f"blockgen train: error: {err}", file=sys.stderr)
             return 2
+        except TrainingStopped as stopped:  # SIGTERM / SIGUSR1: saved and said so (train), exit 128 + the signal's number
+            return stopped.exit_code
         return 0
     if args.subcommand == "train-scorer":
         from blockgen.harness.train_scorer import train_scorer

@@ -130,7 +130,7 @@ def _free(device: str) -> None:
 
 def _train_run(config: GpuCheckConfig, device: str, scale: Scale, prior: str, micro: int, peak: float | None) -> dict:
     """One (prior, micro-batch) run; its tensors are freed when it returns, also after an error."""
-    from blockgen.harness.train import EMA, TrainConfig, memory_estimate, training_flops_per_step
+    from blockgen.harness.train import EMA, TrainConfig, memory_estimate, training_flops_per_step, training_net
     from blockgen.models.model import BlockGen
     from blockgen.models.objectives import stratified_times
 
@@ -144,7 +144,7 @@ def _train_run(config: GpuCheckConfig, device: str, scale: Scale, prior: str, mi
     estimate = memory_estimate(model_config, n_params, micro, scale.bf16 and cuda, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
     ema = EMA(model, 0.9999)
-    net = torch.compile(model, dynamic=False) if scale.compile else model  # as `blockgen train --compile`
+    net, _ = training_net(model, distributed=False, compile=scale.compile)  # as `blockgen train --compile`
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if scale.bf16 and cuda else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(config.seed)
     x = torch.randint(0, scale.vocab_size, (micro, scale.seq_len), generator=gen).to(device)

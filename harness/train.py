@@ -5,7 +5,11 @@ Per optimizer step the global batch is split into D = world_size x grad_accum mi
 Each slot gets one block size by the stratified selection of Algorithm 1 (the same draw on every
 rank, from the step's seed) and its slice of stratified diffusion times. AdamW with linear warm-up,
 gradient clipping, an EMA of the weights (used for validation and saved in model.safetensors),
-periodic validation with the log-sum-exp bound, and atomic checkpoints a restarted run resumes from.
+periodic validation with the log-sum-exp bound, and crash-safe checkpoints a restarted run resumes
+from (two slots, `checkpoint` and `checkpoint.prev`: harness/checkpoint.py). SIGTERM or SIGUSR1 (what
+SLURM sends before preemption or the time limit) stops the run at the next step boundary on every
+rank with a checkpoint: `train` raises `TrainingStopped`, and the CLI exits with 128 + the signal's
+number (143 for SIGTERM, 138 for SIGUSR1). `keep_steps`: copies kept at those steps, never overwritten.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import functools
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from blockgen.harness.checkpoint import TRAINING_STATE, finish_interrupted_save, save_checkpoint
+from blockgen.harness.checkpoint import TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
 from blockgen.harness.data import DataConfig, Examples, current_names
 from blockgen.harness.distributed import DEFAULT_TIMEOUT_S, Distributed, ranks_from_env, resolve_device, setup_distributed
 from blockgen.harness.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
@@ -65,6 +72,9 @@ class TrainConfig:
     eval_every: int = 250
     k_mc: int = 8
     save_every: int = 250
+    # Steps at which a copy of the checkpoint is kept as out_dir/checkpoint-step{N} (never overwritten),
+    # e.g. (250_000,) for the paper's TinyGSM length inside a longer run.
+    keep_steps: tuple[int, ...] = ()
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu (distributed.py: the device policy)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 autocast (CUDA)
@@ -75,7 +85,7 @@ class TrainConfig:
     # e.g. a mixture warm-started from the AR model: the clean stream and the AR path are the same
     # computation, so what AR has learned (copying from the prompt) carries over. None: random init.
     init_from: str | None = None
-    compile: bool = False  # torch.compile the training forward (one graph per block size)
+    compile: bool = False  # torch.compile the training forward (one graph per block size, no break: `training_net`)
     peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
     # Timeout of every collective (NCCL's own default is 10 minutes). Data preparation happens before
     # the process group exists (`prepare.ensure_prepared`), so this only bounds training's own waits.
@@ -94,6 +104,8 @@ class TrainConfig:
             raise ValueError(f"architecture={self.architecture!r}; choose 'blockgen' or 'ar'")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
+        if any(s < 1 for s in self.keep_steps) or len(set(self.keep_steps)) != len(self.keep_steps):
+            raise ValueError(f"keep_steps={list(self.keep_steps)}; choose distinct optimizer steps >= 1 (--keep-steps 250000 500000)")
 
     def grad_accum(self, world: int) -> int:
         """Micro-batches per process per optimizer step: batch_size / (world x micro_batch)."""
@@ -139,7 +151,7 @@ class TrainConfig:
 # so the block-size and noise draws differ from the uninterrupted run's, the objective does not.
 RESUMABLE_CHANGES = frozenset(
     {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops",
-     "micro_batch", "dist_timeout_s"}
+     "micro_batch", "dist_timeout_s", "keep_steps"}
 )
 
 
@@ -152,6 +164,60 @@ def all_reduce_sum(x: torch.Tensor, d: Distributed) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+def keep_dir(out_dir: str | Path, step: int) -> Path:
+    """Where the copy kept at `step` (`keep_steps`) lives."""
+    return Path(out_dir) / f"checkpoint-step{step}"
+
+
+# ---------------------------------------------------------------------------------------------
+# stopping on a signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM: preemption, `--signal=USR1@SECONDS` before the time limit
+
+
+class TrainingStopped(Exception):
+    """The run stopped on a signal after writing a checkpoint at `step`; rerunning the command resumes."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint {checkpoint} written; "
+                         f"run the same command again to resume")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention for "ended by this signal"
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """While training: STOP_SIGNALS set a flag (a box holding the signal's number) instead of killing the
+    process, so the loop can finish its step and save. The previous handlers come back afterwards."""
+    box = [0]
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield box
+        return
+
+    def handler(signum, frame):
+        box[0] = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield box
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def agreed_stop(signum: int, d: Distributed) -> int:
+    """The signal any rank received (0: none), the same on every rank: all must save and stop at the
+    same step, or those still training wait in a collective for the ones that left."""
+    if d.world_size == 1:
+        return signum
+    flag = torch.tensor([signum], device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,6 +433,24 @@ def names_the_knob(micro: int, grad_accum: int):
         ) from err
 
 
+def training_net(
+    model: BlockGen, distributed: bool, compile: bool, backend: str = "inductor"
+) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel | None]:
+    """(what the training step calls, the DDP wrapper or None). Distributed: calls go through DDP's
+    __call__, so that backward all-reduces gradients.
+
+    `compile`: the model is compiled inside DDP, not DDP around it. Compiling the DDP wrapper makes
+    dynamo trace DDP's own forward, which breaks the graph (its logger, `_inside_ddp_forward`: 3
+    breaks per process on CPU gloo); inside it, dynamo still splits the graph at DDP's gradient
+    buckets (DDPOptimizer finds the active DDP module). `backend`: "eager" in tests (dynamo's capture,
+    no code generation).
+    """
+    # static shapes: block_size is a Python int, one graph per block size
+    net = torch.compile(model, dynamic=False, backend=backend) if compile else model
+    ddp = torch.nn.parallel.DistributedDataParallel(net) if distributed else None
+    return (net if ddp is None else ddp), ddp
+
+
 @functools.lru_cache(maxsize=1)
 def _epoch_permutation(n_examples: int, seed: int, epoch: int) -> torch.Tensor:
     """The order of an epoch, from (seed, epoch) alone: a resumed run draws the uninterrupted run's.
@@ -398,16 +482,17 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     special = special_tokens(tokenizer).to_dict()
     model_config = config.model_config(len(tokenizer), special, d.device)
     model = BlockGen(model_config).to(d.device)
-    if config.init_from is not None and not (ckpt_dir / TRAINING_STATE).is_file():
+    if d.is_main:  # the newest complete slot back at `checkpoint`, torn ones moved aside
+        restore_latest_checkpoint(ckpt_dir)
+    if d.world_size > 1:
+        dist.barrier()
+    resuming = (ckpt_dir / TRAINING_STATE).is_file()
+    if config.init_from is not None and not resuming:
         warm_start(model, config.init_from, tokenizer)
     ema = EMA(model, config.ema_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
     step = 0
-    if d.is_main:
-        finish_interrupted_save(ckpt_dir)
-    if d.world_size > 1:
-        dist.barrier()
-    if (ckpt_dir / TRAINING_STATE).is_file():
+    if resuming:
         state = torch.load(ckpt_dir / TRAINING_STATE, map_location=d.device, weights_only=False)
         # a setting added after the checkpoint was written had its default then
         saved = {**TrainConfig().to_dict(), **state["config"]}
@@ -421,11 +506,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         step = state["step"]
         if d.is_main:
             print(f"resuming from step {step} of {ckpt_dir}", flush=True)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else None
-    # through DDP's __call__ (when distributed), so that backward all-reduces gradients
-    net = ddp if ddp is not None else model
-    if config.compile:
-        net = torch.compile(net, dynamic=False)  # block_size is a Python int: one graph per block size
+    net, ddp = training_net(model, d.world_size > 1, config.compile)
 
     grad_accum = config.grad_accum(d.world_size)
     slots = d.world_size * grad_accum
@@ -465,65 +546,80 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             "ema": ema.shadow,
             "step": step,
         }
-        save_checkpoint(ckpt_dir, ema_model(), tokenizer, state, extra={"step": step, "final": final, "data": data_info})
+        keep = keep_dir(out, step) if step in config.keep_steps else None
+        save_checkpoint(ckpt_dir, ema_model(), tokenizer, state, extra={"step": step, "final": final, "data": data_info},
+                        keep_previous=True, keep_copy=keep)
 
     model.train()
-    while step < config.max_steps:
-        step_start = time.perf_counter()
-        lr = config.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        u_block, u_time = torch.rand(2, generator=step_gen).tolist()
-        block_idx = stratified_indices(model_config.block_weights, slots, u_block)
-        times = stratified_times(config.batch_size, u_time, model.schedule)
-        batch_idx = _slot_batches(len(train_data), step, config.batch_size, config.seed)
-        loss_sum = torch.zeros((), device=d.device)
-        for a in range(grad_accum):
-            slot = d.rank * grad_accum + a
-            sl = slice(slot * micro, (slot + 1) * micro)
-            b = train_data[batch_idx[sl]]
-            x, lm, cm = (t.to(d.device) for t in (b.tokens, b.loss_mask, b.condition_mask))
-            block_size = model_config.block_sizes[block_idx[slot]]
-            sync = contextlib.nullcontext() if ddp is None or a == grad_accum - 1 else ddp.no_sync()
-            # Noise and dropout of a micro-batch derive from (seed, step, slot) alone: a resumed run
-            # draws what the uninterrupted run drew, on every rank, with no RNG state to save.
-            torch.manual_seed(slot_seed(config.seed, step, slot))
-            with sync, autocast, names_the_knob(micro, grad_accum):
-                total, count = net(x, lm.float(), block_size, times[sl].to(d.device), cm)
-                loss = total / count.clamp_min(1)
-                (loss / grad_accum).backward()
-            loss_sum += loss.detach() / grad_accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        ema.update(model, step)
-        step += 1
-        loss_val = all_reduce_sum(loss_sum, d).item() / d.world_size  # .item() waits for the device
-        seconds = time.perf_counter() - step_start
-        if step > first_step:  # a process's first step includes start-up (and compilation)
-            train_seconds, steps_timed = train_seconds + seconds, steps_timed + 1
-        record = {
-            "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
-            "block_sizes": [model_config.block_sizes[i] for i in block_idx],
-            "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
-            "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world_size),
-        }
-        bar.update(1)
-        if steps_timed:  # running means over the timed steps
-            rate = tokens_per_step * steps_timed / train_seconds
-            mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world_size):.1%}"
-            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rate:.0f}", **({"mfu": mfu} if mfu else {}))
-        if step % config.eval_every == 0 or step == config.max_steps:
-            with names_the_knob(micro, grad_accum):
-                record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
+    with stop_requests() as signalled:
+        while step < config.max_steps:
+            step_start = time.perf_counter()
+            lr = config.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+            u_block, u_time = torch.rand(2, generator=step_gen).tolist()
+            block_idx = stratified_indices(model_config.block_weights, slots, u_block)
+            times = stratified_times(config.batch_size, u_time, model.schedule)
+            batch_idx = _slot_batches(len(train_data), step, config.batch_size, config.seed)
+            loss_sum = torch.zeros((), device=d.device)
+            for a in range(grad_accum):
+                slot = d.rank * grad_accum + a
+                sl = slice(slot * micro, (slot + 1) * micro)
+                b = train_data[batch_idx[sl]]
+                x, lm, cm = (t.to(d.device) for t in (b.tokens, b.loss_mask, b.condition_mask))
+                block_size = model_config.block_sizes[block_idx[slot]]
+                sync = contextlib.nullcontext() if ddp is None or a == grad_accum - 1 else ddp.no_sync()
+                # Noise and dropout of a micro-batch derive from (seed, step, slot) alone: a resumed run
+                # draws what the uninterrupted run drew, on every rank, with no RNG state to save.
+                torch.manual_seed(slot_seed(config.seed, step, slot))
+                with sync, autocast, names_the_knob(micro, grad_accum):
+                    total, count = net(x, lm.float(), block_size, times[sl].to(d.device), cm)
+                    loss = total / count.clamp_min(1)
+                    (loss / grad_accum).backward()
+                loss_sum += loss.detach() / grad_accum
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ema.update(model, step)
+            step += 1
+            loss_val = all_reduce_sum(loss_sum, d).item() / d.world_size  # .item() waits for the device
+            seconds = time.perf_counter() - step_start
+            if step > first_step:  # a process's first step includes start-up (and compilation)
+                train_seconds, steps_timed = train_seconds + seconds, steps_timed + 1
+            record = {
+                "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
+                "block_sizes": [model_config.block_sizes[i] for i in block_idx],
+                "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
+                "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world_size),
+            }
+            bar.update(1)
+            if steps_timed:  # running means over the timed steps
+                rate = tokens_per_step * steps_timed / train_seconds
+                mfu = "" if peak is None else f"{flops_per_step * steps_timed / train_seconds / (peak * d.world_size):.1%}"
+                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rate:.0f}", **({"mfu": mfu} if mfu else {}))
+            if step % config.eval_every == 0 or step == config.max_steps:
+                with names_the_knob(micro, grad_accum):
+                    record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
+                if d.is_main:
+                    bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
             if d.is_main:
-                bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
-        if d.is_main:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        if step % config.save_every == 0 or step == config.max_steps:
-            checkpoint(final=step == config.max_steps)
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            saved = step % config.save_every == 0 or step == config.max_steps or step in config.keep_steps
+            if saved:
+                checkpoint(final=step == config.max_steps)
+            signum = agreed_stop(signalled[0], d)
+            if signum and step < config.max_steps:
+                if not saved:
+                    checkpoint(final=False)
+                bar.close()
+                stopped = TrainingStopped(signum, step, ckpt_dir)
+                if d.is_main:  # said before any rank exits: torchrun stops the others when the first one does
+                    print(f"blockgen train: {stopped}", file=sys.stderr, flush=True)
+                if d.world_size > 1:
+                    dist.barrier()  # no rank leaves before rank 0 has saved
+                raise stopped
     bar.close()
     if d.world_size > 1:
         dist.barrier()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from blockgen.models.attention import dense_mask, training_block_mask, training_layout
+from blockgen.models.attention import Layout, allowed, dense_mask, training_block_mask, training_layout
 from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, MaskedPrior, UniformPrior
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -116,6 +117,36 @@ def brute_force_allowed(L: int, block: int, causal_clean: bool) -> torch.Tensor:
 def test_training_mask_matches_brute_force(L, block, causal_clean):
     layout = training_layout(L, block)
     assert torch.equal(dense_mask(layout, layout, causal_clean)[0, 0], brute_force_allowed(L, block, causal_clean))
+
+
+def repaired_with_host_read(mask: torch.Tensor) -> torch.Tensor:
+    """The empty-row repair as it was before issue 30 (`if empty.any()`: a host read, a graph break):
+    an empty row (B, Nq, Nk) becomes its query's own key, the queries being the last Nq keys."""
+    empty = ~mask.any(dim=-1, keepdim=True)
+    if empty.any():
+        n_q, n_k = mask.shape[-2:]
+        diag = torch.zeros(n_q, n_k, dtype=torch.bool)
+        diag[torch.arange(n_q), torch.arange(n_q) + n_k - n_q] = True
+        mask = torch.where(empty, diag, mask)
+    return mask
+
+
+@pytest.mark.parametrize("causal_clean", [True, False])
+@pytest.mark.parametrize("n_queries", [24, 8])  # the training layout; a cache-like call (the last keys)
+def test_empty_row_repair_without_host_read_equals_the_old_one(causal_clean, n_queries):
+    """dense_mask repairs empty rows with tensor ops only (no `if empty.any()`): the same mask as the old
+    repair, on rows padded at the end, a row with no padding (no empty row), and an all-padding row."""
+    L, block = 12, 4
+    keys = training_layout(L, block).expand(4)
+    valid = torch.arange(L)[None] < torch.tensor([[12], [7], [1], [0]])
+    keys = replace(keys, valid=torch.cat([valid, valid], dim=1))
+    queries = Layout(*(f[:, 2 * L - n_queries :] for f in keys._fields()))
+    grid = allowed(queries.block_ids[:, :, None], queries.positions[:, :, None], queries.noisy[:, :, None],
+                   keys.block_ids[:, None], keys.positions[:, None], keys.noisy[:, None], keys.valid[:, None], causal_clean)
+    assert grid[0].any(-1).all() and not grid[1:].any(-1).all()  # sequence 0 (no padding): no empty row; the others: some
+    assert torch.equal(dense_mask(queries, keys, causal_clean)[:, 0], repaired_with_host_read(grid))
+    first = lambda layout: Layout(*(f[:1] for f in layout._fields()))  # noqa: E731 (the old code's branch not taken)
+    assert torch.equal(dense_mask(first(queries), first(keys), causal_clean)[:, 0], repaired_with_host_read(grid[:1]))
 
 
 @pytest.mark.parametrize("causal_clean", [True, False])
