@@ -47,6 +47,7 @@ help:
 	@echo "  MODELS_GSM=$(MODELS_GSM)"
 	@echo "  training: STEPS=$(STEPS) BATCH=$(BATCH) MICRO_BATCH=$(MICRO_BATCH) LR=$(LR) SEQ_LEN=$(SEQ_LEN) SIZE=$(SIZE)"
 	@echo "            MAX_RESTARTS=$(MAX_RESTARTS) SHUTDOWN_TIMEOUT=$(SHUTDOWN_TIMEOUT) (torchrun: restarts of a failed run, seconds a signalled run gets to save)"
+	@echo "            NNODES=$(NNODES) NODE_RANK=$(NODE_RANK) MASTER_ADDR=$(MASTER_ADDR) MASTER_PORT=$(MASTER_PORT) RDZV_ID=$(RDZV_ID) (several machines: docs/training.md, Multi-node)"
 	@echo "            (MICRO_BATCH: sequences per GPU per forward/backward; accumulation = BATCH / (NPROC x MICRO_BATCH))"
 	@echo "            PRIOR=$(PRIOR) BLOCK_SIZES=$(BLOCK_SIZES) BLOCK_WEIGHTS=$(BLOCK_WEIGHTS)"
 	@echo "            PRECISION=$(PRECISION) ATTENTION=$(ATTENTION) COMPILE=$(COMPILE) TRAIN_ARGS=$(TRAIN_ARGS)"
@@ -190,8 +191,11 @@ TRAIN_OPTS = $(call opt,--max-steps,$(STEPS)) $(call opt,--batch-size,$(BATCH)) 
 # Data preparation (tokenized, memory-mapped cache), in one process before torchrun: $(1) benchmark,
 # $(2) variant. A benchmark's models share their data, so the first model prepares it for all (a
 # model whose data differed would prepare its own at start, before its process group).
+# On a cluster only node 0 prepares (once per run directory, on the shared file system); the other
+# nodes' ranks wait for it in `ensure_prepared` (harness/prepare.py).
 define prepare_run
-	OMP_NUM_THREADS=1 $(BLOCKGEN) prepare-data --preset $(1)$(SCALE)-$(2) $(TRAIN_OPTS)
+	$(if $(filter 0,$(NODE_RANK)),OMP_NUM_THREADS=1 $(BLOCKGEN) prepare-data --preset $(1)$(SCALE)-$(2) $(TRAIN_OPTS),\
+	@echo "node $(NODE_RANK): the data is prepared by node 0 (shared file system; docs/training.md, Multi-node)")
 
 endef
 
@@ -201,8 +205,19 @@ endef
 # SHUTDOWN_TIMEOUT seconds for them before SIGKILL: enough for a step and a paper-size save.
 MAX_RESTARTS ?= 3
 SHUTDOWN_TIMEOUT ?= 300
+# Several machines (docs/training.md, "Multi-node"; its SLURM template sets these): NNODES x NPROC
+# processes meet at torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT under one id per model.
+# Run the same `make train-...` on every node, with NODE_RANK 0 to NNODES - 1. RUNS must be on a file
+# system every node shares (checked at start: `check_same_run_directory` in harness/train.py).
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?= localhost
+MASTER_PORT ?= 29500
+RDZV_ID ?= blockgen
+rendezvous = $(if $(filter 1,$(NNODES)),--standalone,--nnodes=$(NNODES) --rdzv-backend=c10d \
+	--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT) --rdzv-id=$(RDZV_ID)-$(1)-$(2))
 define train_run
-	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
+	OMP_NUM_THREADS=1 $(TORCHRUN) $(call rendezvous,$(1),$(2)) --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
 		--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=$(SHUTDOWN_TIMEOUT) -m blockgen.harness.cli train \
 		--preset $(1)$(SCALE)-$(2) --out-dir $(RUNS)/$(1)$(SCALE)-$(2) --device $(DEVICE) $(TRAIN_OPTS)
 

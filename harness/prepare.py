@@ -17,10 +17,10 @@ row) is kept. The cache is built in `<dir>.tmp-<host>-<pid>` and renamed into pl
 attempt never leaves a cache that looks complete; the next attempt removes such a leftover when its
 process is gone.
 
-`ensure_prepared` is what `blockgen train` calls before it joins the process group: the first
-process of each machine (LOCAL_RANK 0) builds a missing cache, the others wait for its meta.json by
-looking at the file system, so no rank waits in a collective (NCCL's default timeout is 10 minutes)
-for work of unbounded length.
+`ensure_prepared` is what `blockgen train` calls before it joins the process group: rank 0 builds a
+missing cache, once per run however many machines train (the cache is on the file system they
+share), and the others wait for its meta.json by looking at the file system, so no rank waits in a
+collective (NCCL's default timeout is 10 minutes) for work of unbounded length.
 """
 
 from __future__ import annotations
@@ -260,14 +260,14 @@ def load_prepared(directory: Path, n_val: int) -> tuple:
 
 
 def ensure_prepared(config: DataConfig, seq_len: int, poll_seconds: float = 2.0, log=print) -> Path:
-    """The prepared cache for a training process, before it joins any process group: the first process
-    of each machine (LOCAL_RANK 0, or a lone process) builds a missing cache; the others wait for it on
-    the file system (no collective, so no process-group timeout applies to the preparation)."""
+    """The prepared cache for a training process, before it joins any process group: rank 0 (or a lone
+    process) builds a missing cache; the others, on every machine, wait for it on the file system (no
+    collective, so no process-group timeout applies to the preparation)."""
     directory = prepared_dir(config, seq_len)
     if is_prepared(directory):
         return directory
     ranks = ranks_from_env()
-    if ranks.local_rank == 0:
+    if ranks.is_main:
         log(f"blockgen: {directory} is not prepared; preparing it now (`blockgen prepare-data` does this "
             f"outside training, as `make train-owt` / `make train-tinygsm` do)")
         return prepare_data(config, seq_len, log=log)
@@ -276,7 +276,8 @@ def ensure_prepared(config: DataConfig, seq_len: int, poll_seconds: float = 2.0,
         time.sleep(poll_seconds)
         waited += poll_seconds
         if waited % 300 < poll_seconds:
-            log(f"blockgen: rank {ranks.rank} waiting for the data preparation ({waited:.0f} s)")
+            log(f"blockgen: rank {ranks.rank} waiting for rank 0 to prepare {directory} ({waited:.0f} s; a machine "
+                "that does not share rank 0's file system waits forever: docs/training.md, Multi-node)")
     return directory
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -169,6 +170,56 @@ def all_reduce_sum(x: torch.Tensor, d: Distributed) -> torch.Tensor:
 def keep_dir(out_dir: str | Path, step: int) -> Path:
     """Where the copy kept at `step` (`keep_steps`) lives."""
     return Path(out_dir) / f"checkpoint-step{step}"
+
+
+# ---------------------------------------------------------------------------------------------
+# one run directory for every rank
+
+RUN_TOKEN = ".run-token"  # rank 0's fresh token in the run directory, read back by every rank at start
+SHARED_STORAGE = ("a run's directory (RUNS) and data cache must be on a file system every node shares (NFS, Lustre, "
+                  "GPFS; not a node's local disk): docs/training.md, \"Multi-node\"")
+
+
+class RunDirectoryMismatch(ValueError):
+    """A rank sees another run directory than rank 0's: machines without a shared file system."""
+
+
+def checkpoint_step(ckpt_dir: Path) -> int:
+    """The step of the checkpoint at `ckpt_dir` (0: none)."""
+    try:
+        return int(json.loads((ckpt_dir / "config.json").read_text())["training"]["step"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def check_same_run_directory(out: Path, ckpt_dir: Path, d: Distributed) -> None:
+    """Fail at start unless every rank sees rank 0's run directory: the token rank 0 has just written there
+    and the same checkpoint step. A rank on a machine without the shared file system would otherwise
+    start at step 0 while the others resume (two models, or a hang in mismatched collectives)."""
+    if d.world_size == 1:
+        return
+    if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f"{RUN_TOKEN}.tmp"
+        tmp.write_text(os.urandom(16).hex())
+        os.replace(tmp, out / RUN_TOKEN)
+    dist.barrier()
+    try:
+        token = (out / RUN_TOKEN).read_text()
+    except OSError:
+        token = "(none)"
+    seen = {"host": socket.gethostname(), "dir": str(out.resolve()), "token": token, "step": checkpoint_step(ckpt_dir)}
+    everyone: list = [None] * d.world_size
+    dist.all_gather_object(everyone, seen)
+    reference = everyone[0]
+    differ = [(rank, s) for rank, s in enumerate(everyone) if (s["token"], s["step"]) != (reference["token"], reference["step"])]
+    if differ:
+        lines = [f"rank {rank} on {s['host']} sees {s['dir']} with checkpoint step {s['step']} "
+                 f"({'another run token' if s['token'] != '(none)' else 'no run token'})" for rank, s in differ[:4]]
+        raise RunDirectoryMismatch(
+            f"the ranks do not share one run directory: rank 0 on {reference['host']} sees {reference['dir']} with "
+            f"checkpoint step {reference['step']}, but {'; '.join(lines)}{' ...' if len(differ) > 4 else ''}. "
+            f"Training on several machines needs a shared file system: {SHARED_STORAGE}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,8 +535,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     model = BlockGen(model_config).to(d.device)
     if d.is_main:  # the newest complete slot back at `checkpoint`, torn ones moved aside
         restore_latest_checkpoint(ckpt_dir)
-    if d.world_size > 1:
-        dist.barrier()
+    check_same_run_directory(out, ckpt_dir, d)  # (its barrier: every rank reads the restored slot)
     resuming = (ckpt_dir / TRAINING_STATE).is_file()
     if config.init_from is not None and not resuming:
         warm_start(model, config.init_from, tokenizer)
