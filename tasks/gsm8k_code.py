@@ -55,7 +55,7 @@ EMBEDDED_SEED = 0
 # Every verdict but "correct", in the order the results list them.
 OUTCOMES = (
     "wrong_answer", "not_a_number", "exception", "syntax_error", "timeout", "memory", "killed",
-    "sandbox_error",
+    "output_limit", "sandbox_error",
 )
 
 

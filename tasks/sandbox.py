@@ -7,23 +7,30 @@ or the system's), exec'd fresh, never a fork of the evaluator:
   is not root. The network namespace has only a loopback interface.
 - **a minimal root**: an empty tmpfs holding only read-only binds of the interpreter, its standard
   library (site-packages hidden under an empty tmpfs), the system's shared-library directories and
-  /etc/ld.so.cache; private size-bounded tmpfs on the scratch directory, /tmp and /dev/shm; a /proc
-  of its own PID namespace; bwrap's minimal /dev. The root itself is read-only. No descriptor into
-  the host's tree is passed in; the program reaches nothing of the evaluator's files.
+  /etc/ld.so.cache; private size-bounded tmpfs on the scratch directory, /tmp and /dev/shm (mounted
+  before the binds, so an interpreter under /tmp or /dev/shm is bound on top); a /proc of its own
+  PID namespace; bwrap's minimal /dev. The root itself is read-only. No descriptor into the host's
+  tree is passed in; the program reaches nothing of the evaluator's files.
 - **a kernel boundary**: a seccomp filter (built with libseccomp, loaded by bwrap) that refuses
   keyrings (but joining a fresh session keyring), io_uring, userfaultfd, perf_event_open, bpf,
   fanotify, mount and friends, ptrace and cross-process memory access, namespace creation
   (unshare, setns, clone with namespace flags; clone3 reports ENOSYS so libc falls back to clone),
-  setsid (one session, so one scheduling autogroup, per run) and every socket family but Unix and
-  IP; syscalls of other ABIs (i386, x32) kill the process. no_new_privs; the program has no
-  capabilities (as root, pid 1 keeps CAP_SETUID/CAP_SETGID to give the program its uid).
+  setsid (one session, so one scheduling autogroup, per run), every socket family but Unix (and
+  growing a socket's buffers), the page cache's probes and evictions (fadvise, readahead, mincore,
+  cachestat, RWF_NOWAIT, madvise COLD/PAGEOUT), O_DIRECT and every I/O class but idle; flushes
+  (sync, syncfs, fsync, ...) return 0 without running; syscalls of other ABIs (i386, x32) kill the
+  process. no_new_privs; the program has no capabilities (as root, pid 1 keeps
+  CAP_SETUID/CAP_SETGID to give the program its uid).
+- **what the host owes the evaluator first**: every run's processes have oom_score_adj 1000, the
+  idle I/O class, RLIMIT_RTPRIO and RLIMIT_NICE 0 and a nice value of at least the evaluator's.
 - **per-run budgets**: where the evaluator may create cgroups (root with cgroup v1 hierarchies, or a
   v2 subtree with the controllers enabled) each run gets a memory cgroup (the whole run, swap
   included) and a pids cgroup; otherwise memory is bounded by max_processes x memory_bytes
   (RLIMIT_NPROC x RLIMIT_AS). For CPU each run is one scheduling entity, however many processes
   it forks: one session, so one autogroup, where the evaluator sits in the root cpu cgroup
   (setsid is refused), else a cpu cgroup of its own where allowed. Rlimits apply in all cases
-  (CPU, address space, file size, processes, open files, no core).
+  (CPU, address space, file size, processes, open files, no core). On cgroup v1 the memory cgroup
+  also limits TCP buffers (memory.kmem.tcp.limit_in_bytes; v2 charges them to memory.max).
 
 bwrap execs `sandbox_child.py` as pid 1 of the namespace; it forks the program's process, which
 lowers its rlimits, drops to a uid of its own per concurrent run (evaluator as root; RLIMIT_NPROC
@@ -36,7 +43,8 @@ return value travels on its own pipe as JSON records (ASCII, one per line), so n
 answer nor any returned value can pass for or break a record. A program that deliberately writes
 to that pipe can forge its own answer: this guards against accidents and hostile side effects, not
 against a model that cheats on purpose. The value is serialised in the child by exact type (never
-through the value's own methods, which a subclass can override) and parsed with size limits.
+through the value's own methods, which a subclass can override) and parsed with size limits: each
+line once, as it arrives; past 16 KiB the run ends as `output_limit`, the program's failure.
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ MAX_CONCURRENT = 256  # programs one evaluator process runs at the same time
 MAX_INT_BITS = 4096
 
 _CHUNK = 64 * KiB
-_RESULT_LIMIT = 16 * KiB
+_RESULT_LIMIT = 16 * KiB  # the result pipe: the child's records take a few hundred bytes
 _SCRATCH = "blockgen-sandbox"  # the scratch directory's name, under scratch_root inside the sandbox
 
 
@@ -86,6 +94,7 @@ class Outcome(enum.Enum):
     TIMEOUT = "timeout"  # wall clock or CPU limit
     MEMORY = "memory"  # address-space limit (MemoryError) or the run's memory cgroup
     KILLED = "killed"  # died from a signal
+    OUTPUT_LIMIT = "output_limit"  # wrote more than the result pipe takes (16 KiB) before ending
     SANDBOX_ERROR = "sandbox_error"  # the sandbox itself failed; not the program's fault
 
 
@@ -117,6 +126,9 @@ class SandboxConfig:
     cgroups: bool = True  # memory, pids and cpu cgroups per run where the evaluator may create them
     python: str = field(default_factory=lambda: sys.executable)
     scratch_root: str = "/tmp"  # parent of the program's scratch directory, inside the sandbox
+    # The run's nice value is at least this and at least the evaluator's (never lower); with
+    # RLIMIT_NICE 0 the program cannot lower it either.
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if self.wall_timeout_s <= 0 or self.cpu_time_s < 1:
@@ -132,6 +144,8 @@ class SandboxConfig:
             raise ValueError("no Python interpreter to run programs with")
         if not os.path.isabs(self.scratch_root):
             raise ValueError(f"scratch_root {self.scratch_root!r} must be an absolute path")
+        if not -20 <= self.nice <= 19:
+            raise ValueError(f"nice {self.nice} is not a nice value (-20 to 19)")
 
 
 @dataclass(frozen=True)
@@ -227,13 +241,29 @@ _REFUSED = (
 _CLONE_NAMESPACES = (  # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
     0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
 )
-_SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: the only ones allowed
+AF_UNIX = 1  # the only socket family allowed: stdlib multiprocessing's pipes and socketpair()
+SOL_SOCKET, SO_SNDBUF, SO_RCVBUF = 1, 7, 8
 KEYCTL_JOIN_SESSION_KEYRING = 1
+# The page cache is the host's: evicting pages of the bound files (fadvise, madvise PAGEOUT/COLD)
+# or reading which are resident (mincore, cachestat, RWF_NOWAIT below) is a channel between runs.
+_PAGE_CACHE = ("fadvise64", "fadvise64_64", "readahead", "mincore", "cachestat")
+MADV_COLD, MADV_PAGEOUT = 20, 21
+RWF_NOWAIT = 0x8
+# Flushes reach the host's file systems and device caches from any descriptor (syncfs on a bound
+# file syncs the whole host file system): answered 0 without running. Everything a run can write
+# is tmpfs, which has nothing to flush, so no program can tell.
+_FLUSHES = ("sync", "syncfs", "fsync", "fdatasync", "sync_file_range")
+MS_SYNC = 4
+IOPRIO_CLASS_IDLE = 3
+IOPRIO_CLASS_SHIFT = 13
+F_SETFL = 4
+INT = 0xFFFFFFFF  # the kernel reads int arguments from the low 32 bits of the register
 
 
 @functools.cache
-def _seccomp() -> tuple[bytes, int]:
-    """The BPF program bwrap loads, and keyctl's number (the child joins a keyring with it)."""
+def _seccomp() -> tuple[bytes, int, int]:
+    """The BPF program bwrap loads, and the numbers of keyctl and ioprio_set (the child joins a
+    keyring and takes the idle I/O class with them)."""
     import pyseccomp as sc  # loads libseccomp: only when a program runs
 
     arch = sc.system_arch()
@@ -252,14 +282,37 @@ def _seccomp() -> tuple[bytes, int]:
     for flag in _CLONE_NAMESPACES:
         refuse("clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     refuse("clone3", err=errno.ENOSYS)  # its flags sit in memory, out of the filter's reach
-    for family in range(64):
-        if family not in _SOCKET_FAMILIES:
-            refuse("socket", sc.Arg(0, sc.EQ, family), err=errno.EAFNOSUPPORT)
-    refuse("socket", sc.Arg(0, sc.GE, 64), err=errno.EAFNOSUPPORT)
+    # Sockets: Unix only. A run's TCP buffers on its own loopback are kernel memory its v1 memory
+    # cgroup does not charge; a computing program needs no network. (Any value but exactly 1 is
+    # refused, so upper bits of the register cannot smuggle a family past the filter.)
+    for name in ("socket", "socketpair"):
+        refuse(name, sc.Arg(0, sc.NE, AF_UNIX), err=errno.EAFNOSUPPORT)
+    # Unix socket buffers stay at the system's default size (net.core.wmem_default): up to
+    # net.core.wmem_max each (4 MiB on some hosts), 64 descriptors queued about 460 MiB; at the
+    # default, about 13 MiB. The memory cgroup charges them; this bounds them without one.
+    for option in (SO_SNDBUF, SO_RCVBUF):
+        refuse("setsockopt", sc.Arg(1, sc.MASKED_EQ, INT, SOL_SOCKET), sc.Arg(2, sc.MASKED_EQ, INT, option))
+    for name in _PAGE_CACHE:
+        refuse(name)
+    for advice in (MADV_COLD, MADV_PAGEOUT):
+        refuse("madvise", sc.Arg(2, sc.MASKED_EQ, INT, advice))
+    for name in ("preadv2", "pwritev2"):  # flags: argument 5 (pos is passed as two halves)
+        refuse(name, sc.Arg(5, sc.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
+    # Disk bandwidth: the run's I/O stays in the idle class (pid 1 sets it; no other class may be
+    # set), no O_DIRECT (reads past the page cache, straight from the disk), no flushes.
+    for cls in range(IOPRIO_CLASS_IDLE):  # NONE (follow the nice value), RT, BE
+        refuse("ioprio_set", sc.Arg(2, sc.MASKED_EQ, 7 << IOPRIO_CLASS_SHIFT, cls << IOPRIO_CLASS_SHIFT))
+    refuse("open", sc.Arg(1, sc.MASKED_EQ, os.O_DIRECT, os.O_DIRECT))
+    refuse("openat", sc.Arg(2, sc.MASKED_EQ, os.O_DIRECT, os.O_DIRECT))
+    refuse("fcntl", sc.Arg(1, sc.MASKED_EQ, INT, F_SETFL), sc.Arg(2, sc.MASKED_EQ, os.O_DIRECT, os.O_DIRECT))
+    refuse("openat2", err=errno.ENOSYS)  # its flags sit in memory; libc's open() uses openat
+    for name in _FLUSHES:
+        refuse(name, err=0)
+    refuse("msync", sc.Arg(2, sc.MASKED_EQ, MS_SYNC, MS_SYNC), err=0)
     with tempfile.TemporaryFile() as out:
         filt.export_bpf(out)
         out.seek(0)
-        return out.read(), sc.resolve_syscall(arch, "keyctl")
+        return out.read(), sc.resolve_syscall(arch, "keyctl"), sc.resolve_syscall(arch, "ioprio_set")
 
 
 _QUERY = """
@@ -329,24 +382,42 @@ def _ancestors(paths: Iterable[str], skip: Iterable[str] = ()) -> list[str]:
     return sorted(found - set(skip), key=lambda p: (p.count("/"), p))
 
 
+_PRIVATE = ("/tmp", "/dev/shm")  # a private, size-bounded tmpfs each, world-writable like the host's
+_KERNEL = ("/proc", "/dev")  # the run's own views, mounted by bwrap
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
 def _mount_args(cfg: SandboxConfig, root: _Root) -> list[str]:
-    """The sandbox's file system, in the order bwrap builds it (bwrap makes missing directories
-    0700 and owned by root: each one on the way is made 0755 first)."""
-    args: list[str] = []
-    for path in _ancestors(root.binds):
+    """The sandbox's file system, in the order bwrap builds it: /proc, /dev and the private tmpfs
+    first, then the interpreter's binds (so an interpreter under /tmp or /dev/shm is bound on top
+    of the private tmpfs, not hidden by it), then the scratch directory. bwrap makes missing
+    directories 0700 and owned by root: each one on the way is made 0755 first."""
+    scratch = os.path.join(cfg.scratch_root, _SCRATCH)
+    for path in root.binds:  # what no order of mounts can give: refused, by name
+        if any(_inside(top, path) for top in (*_PRIVATE, *_KERNEL)):
+            raise RuntimeError(f"cannot bind {path} into the sandbox: it holds /tmp, /dev or /proc")
+        if _inside(path, "/proc") or _inside(path, scratch):
+            raise RuntimeError(f"cannot bind {path} into the sandbox: the run's own "
+                               f"{'/proc' if _inside(path, '/proc') else 'scratch directory'} covers it")
+    args = ["--proc", "/proc", "--dev", "/dev"]
+    size = str(cfg.tmpfs_bytes)
+    for path in _PRIVATE:
+        args += ["--perms", "1777", "--size", size, "--tmpfs", path]
+    made = {"/tmp", "/dev", "/dev/shm", "/proc"}
+    for path in _ancestors(root.binds, skip=made):
         args += ["--perms", "0755", "--dir", path]
+        made.add(path)
     for path in root.binds:
         args += ["--ro-bind", path, path]
+        made.add(path)
     for path, target in root.symlinks:
         args += ["--symlink", target, path]
     for path in root.hidden:
         args += ["--perms", "0555", "--size", str(4 * KiB), "--tmpfs", path, "--remount-ro", path]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    size = str(cfg.tmpfs_bytes)
-    for path in ("/tmp", "/dev/shm"):
-        args += ["--perms", "1777", "--size", size, "--tmpfs", path]
-    scratch = os.path.join(cfg.scratch_root, _SCRATCH)
-    for path in _ancestors([scratch], skip=["/tmp", "/dev", *_ancestors(root.binds), *root.binds]):
+    for path in _ancestors([scratch], skip=made):
         args += ["--perms", "0755", "--dir", path]
     args += ["--perms", "1777", "--size", size, "--tmpfs", scratch, "--chdir", scratch]
     # Nothing else is writable: not the root's tmpfs, not /dev's (their size has no bound)
@@ -445,6 +516,12 @@ class _RunCgroups:
             try:
                 for controller in names:
                     self._limit(path, controller, cfg)
+                tcp = os.path.join(path, "memory.kmem.tcp.limit_in_bytes")
+                if "memory" in names and os.path.exists(tcp):
+                    # v1 charges TCP buffers (a separate counter) only once this limit is set; v2
+                    # charges socket memory to memory.max. The filter refuses TCP sockets anyway.
+                    _write(tcp, cfg.memory_bytes)
+                    names += ("tcp-kmem",)
             except OSError:
                 self._rmdir(path)
                 continue
@@ -565,7 +642,7 @@ def _run(code: str | bytes, cfg: SandboxConfig, start: float) -> SandboxResult:
 
 
 def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> SandboxResult:
-    root, (bpf, keyctl), bwrap = _root(cfg.python), _seccomp(), _bwrap()
+    root, (bpf, keyctl, ioprio_set), bwrap = _root(cfg.python), _seccomp(), _bwrap()
     privileged = os.geteuid() == 0
     drop = privileged and cfg.uid is not None
     uid = _run_uid(cfg, slot) if drop else -1
@@ -591,12 +668,13 @@ def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> 
             cfg.cpu_time_s, cfg.memory_bytes, cfg.file_size_bytes, cfg.max_processes,
             cfg.max_open_files,
         )
+        nice = max(cfg.nice, os.getpriority(os.PRIO_PROCESS, 0))  # never below the evaluator's
         argv = [
             bwrap, *namespaces, "--unshare-cgroup-try", *caps, "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", "--info-fd", str(info_w), "--block-fd", str(block_r),
             "--seccomp", str(seccomp_r), *_mount_args(cfg, root), "--",
             root.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _child_source(), str(result_w),
-            *map(str, (*limits, uid, gid, keyctl)), cfg.entry_point,
+            *map(str, (*limits, uid, gid, keyctl, ioprio_set, nice)), cfg.entry_point,
         ]
         proc = subprocess.Popen(
             argv,
@@ -616,6 +694,7 @@ def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> 
             try:
                 if pidfd is not None:
                     cgroups.join(pidfd[0])  # before it runs: all its descendants stay inside
+                    _oom_first(pidfd[0])
                 in_force = cgroups.controllers
                 try:
                     os.write(block_w, b"x")  # bwrap's setup may go on
@@ -651,17 +730,30 @@ def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> 
 def _granted(cfg: SandboxConfig, privileged: bool, cgroups: set[str]) -> list[str]:
     """What the bwrap command line and the run's cgroups put in force (the child adds the rest)."""
     granted = ["bwrap", "minimal-root"] + ([] if privileged else ["userns"])
-    granted += ["pidns", "netns", "ipcns", "utsns"]
+    granted += ["pidns", "netns", "ipcns", "utsns", "sockets=unix"]
     if "memory" in cgroups:
         granted.append(f"memory<={cfg.memory_bytes}:cgroup")
     else:  # each process's address space, times as many processes as the run may have
         granted.append(f"memory<={cfg.max_processes * cfg.memory_bytes}:nproc*as")
     granted.append(f"pids<={cfg.max_processes}:" + ("cgroup" if "pids" in cgroups else "rlimit"))
+    if "tcp-kmem" in cgroups:
+        granted.append("tcp-kmem:cgroup")
     if "cpu" in cgroups:
         granted.append("cpu:cgroup")
     elif _autogroup():  # one session per run (setsid is refused): one autogroup
         granted.append("cpu:autogroup")
     return granted
+
+
+def _oom_first(pid: int) -> None:
+    """oom_score_adj 1000 for the run's pid 1 (its processes inherit it), so the kernel's OOM
+    killer takes a run before the evaluator. Written by an evaluator with CAP_SYS_RESOURCE (root),
+    it is also the floor: the program cannot lower it. Without that capability the child raises
+    it itself, and the program may lower it back to the evaluator's own value."""
+    try:
+        _write(f"/proc/{pid}/oom_score_adj", 1000)
+    except OSError:
+        pass
 
 
 def _child_pidfd(info_fd: int, deadline: float) -> tuple[int, int] | None:
@@ -692,10 +784,10 @@ def _communicate(
     limit: int,
     deadline: float,
     kill: Callable[[], None],
-) -> tuple[bytes, bytes, bytes, bool]:
+) -> tuple[bytes, bytes, _Channel, bool]:
     """Feed the program, drain all pipes until EOF or the deadline, then kill the sandbox."""
     assert proc.stdin and proc.stdout and proc.stderr
-    out, err, channel = _Capped(limit), _Capped(limit), _Capped(_RESULT_LIMIT)
+    out, err, channel = _Capped(limit), _Capped(limit), _Channel(_RESULT_LIMIT)
     readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, result_fd: channel}
     stdin = proc.stdin.fileno()
     pending = memoryview(source)
@@ -731,9 +823,9 @@ def _communicate(
                         sel.unregister(key.fd)
                         continue
                     readers[key.fd].add(data)
-                    if key.fd == result_fd and not reported and _final(_records(channel.value())):
-                        # The program is done and stdout flushed: don't wait for the namespace
-                        # to wind down by itself.
+                    if key.fd == result_fd and not reported and (channel.final or channel.overflow):
+                        # The program is done and stdout flushed (or it flooded the result
+                        # pipe): don't wait for the namespace to wind down by itself.
                         reported = True
                         kill()
         if not timed_out:
@@ -745,7 +837,7 @@ def _communicate(
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
             proc.wait()
-    return out.value(), err.value(), channel.value(), timed_out
+    return out.value(), err.value(), channel, timed_out
 
 
 def _kill_group(pid: int) -> None:
@@ -774,25 +866,59 @@ def _exited(pid: int, deadline: float) -> bool:
 _FINAL = {"ok": 2, "nan": 1, "exc": 1, "syntax": 1, "setup": 1}  # kind -> fields after it
 
 
-def _records(channel: bytes) -> list[list[str]]:
-    """The whole records on the result pipe: lines holding a JSON array of strings. Anything else
-    (bytes a program wrote there) is skipped."""
-    found = []
-    for line in channel.split(b"\n")[:-1]:  # bytes, never str.splitlines: only b"\n" ends a record
-        if not line.startswith(b"["):
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, list) and record and all(type(f) is str for f in record):
-            found.append([_printable(f) for f in record])
-    return found
+class _Channel:
+    """The result pipe, parsed as it arrives: each complete line once (a program that writes
+    line after line costs the evaluator linear time, not quadratic). Records are lines holding a
+    JSON array of strings; anything else (bytes a program wrote there) is skipped. Past `limit`
+    bytes nothing more is read: `overflow`, the program's failure (Outcome.OUTPUT_LIMIT)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.partial: list[bytes] = []  # the line being received, in pieces
+        self.overflow = False
+        self.iso: list[str] | None = None  # the first isolation record
+        self.final: list[str] | None = None  # the last record that says how the program ended
+        self.wait: list[str] | None = None  # the last exit status pid 1 reported
+
+    def add(self, data: bytes) -> None:
+        if self.overflow:
+            return
+        self.size += len(data)
+        if self.size > self.limit:
+            self.overflow, self.partial = True, []
+            return
+        lines = data.split(b"\n")  # bytes, never str.splitlines: only b"\n" ends a record
+        if len(lines) == 1:
+            self.partial.append(data)
+            return
+        self.partial.append(lines[0])
+        lines[0] = b"".join(self.partial)
+        tail = lines.pop()  # the start of the next line (empty when the data ended one)
+        self.partial = [tail] if tail else []
+        for line in lines:
+            record = _parse_line(line)
+            if record is None:
+                continue
+            if record[0] in _FINAL:
+                self.final = record
+            elif record[0] == "iso" and len(record) == 2 and self.iso is None:
+                self.iso = record
+            elif record[0] == "wait" and len(record) == 3:
+                self.wait = record
 
 
-def _final(records: list[list[str]]) -> list[str] | None:
-    """The last record that says how the program ended (the child writes it after the program)."""
-    return next((r for r in reversed(records) if r[0] in _FINAL), None)
+def _parse_line(line: bytes) -> list[str] | None:
+    """One whole line of the result pipe as a record, or None."""
+    if not line.startswith(b"["):
+        return None
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(record, list) and record and all(type(f) is str for f in record):
+        return [_printable(f) for f in record]
+    return None
 
 
 def _printable(text: str) -> str:
@@ -806,15 +932,12 @@ def _decide(
     returncode: int | None,
     out: bytes,
     err: bytes,
-    channel: bytes,
+    channel: _Channel,
     timed_out: bool,
     oom_kills: int,
     elapsed: float,
 ) -> SandboxResult:
-    records = _records(channel)
-    iso = next((r for r in records if r[0] == "iso" and len(r) == 2), None)
-    final = _final(records)
-    wait = next((r for r in reversed(records) if r[0] == "wait" and len(r) == 3), None)
+    iso, final, wait = channel.iso, channel.final, channel.wait
 
     def result(outcome: Outcome, error: str | None = None, value: int | float | None = None):
         return SandboxResult(
@@ -844,6 +967,8 @@ def _decide(
             memory = rest[0] == "MemoryError"
             return result(Outcome.MEMORY if memory else Outcome.EXCEPTION, rest[0])
         return result(Outcome.SANDBOX_ERROR, rest[0])
+    if channel.overflow:  # before any record said how the program ended
+        return result(Outcome.OUTPUT_LIMIT, "result pipe")
     if timed_out:
         return result(Outcome.TIMEOUT, "wall")
     if oom_kills:  # the run's memory cgroup killed a process: the program's or pid 1

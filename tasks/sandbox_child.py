@@ -19,6 +19,8 @@ from _json import encode_basestring_ascii as _quote
 MAX_INT_BITS = 4096  # larger integers come back as +-inf: str() of them raises
 NAME_LIMIT = 200
 KEYCTL_JOIN_SESSION_KEYRING = 1
+IOPRIO_WHO_PROCESS = 1
+IOPRIO_IDLE = 3 << 13  # IOPRIO_CLASS_IDLE: disk time only when no one else wants it
 
 
 def say(fd, write, *fields):
@@ -59,13 +61,44 @@ def drop_privileges(uid, gid):
         raise OSError("uid/gid did not change")
 
 
-def confirmed(uid, keyring):
+def lower_priorities(call, ioprio_set, nice):
+    """In pid 1, before the program's process exists (it inherits all of it): first in line for
+    the OOM killer, the idle I/O class (the filter refuses every other), a nice value of at least
+    `nice`, and no way back up (RLIMIT_RTPRIO, RLIMIT_NICE 0). What held comes back confirmed."""
+    import resource as R
+
+    try:  # the evaluator has set it already where it may (as root: also the floor)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    idle = call is not None and call(ioprio_set, IOPRIO_WHO_PROCESS, 0, IOPRIO_IDLE) == 0
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        pass
+    R.setrlimit(R.RLIMIT_RTPRIO, (0, 0))
+    R.setrlimit(R.RLIMIT_NICE, (0, 0))
+    return idle
+
+
+def confirmed(uid, keyring, idle):
     """What this process can see is in force (the evaluator adds what bwrap and cgroups give)."""
+    import resource as R
+
     iso = ["rlimits"]
     if uid >= 0:
         iso.append("uid=%d" % uid)
     if keyring:
         iso.append("session-keyring")
+    with open("/proc/self/oom_score_adj") as f:
+        iso.append("oom_score_adj=%d" % int(f.read()))
+    if idle:
+        iso.append("ioprio=idle")
+    if R.getrlimit(R.RLIMIT_RTPRIO) == (0, 0):
+        iso.append("rtprio=0")
+    iso.append("nice>=%d" % os.getpriority(os.PRIO_PROCESS, 0))
     with open("/proc/self/status") as f:
         status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
     if status.get("Seccomp") == "2":
@@ -132,7 +165,7 @@ def run(fd, write, code, entry):
     os._exit(0)
 
 
-def program(fd, write, code, limits, uid, gid, keyctl, entry):
+def program(fd, write, code, limits, uid, gid, call, keyctl, idle, entry):
     import resource as R
 
     for res, value in zip(
@@ -144,16 +177,17 @@ def program(fd, write, code, limits, uid, gid, keyctl, entry):
         drop_privileges(uid, gid)
     # Keys live in no namespace: leave the evaluator's session keyring for an empty one of our own
     # (the seccomp filter refuses every other keyring operation).
-    call = syscall()
     keyring = call is not None and call(keyctl, KEYCTL_JOIN_SESSION_KEYRING, 0) >= 0
-    say(fd, write, "iso", ",".join(confirmed(uid, keyring)))
+    say(fd, write, "iso", ",".join(confirmed(uid, keyring, idle)))
     run(fd, write, code, entry)
 
 
 def main():
     fd, write = int(sys.argv[1]), os.write  # bound now: the program may replace os.write
-    cpu, mem, fsize, nproc, nofile, uid, gid, keyctl = (int(x) for x in sys.argv[2:10])
-    entry = sys.argv[10]
+    cpu, mem, fsize, nproc, nofile, uid, gid, keyctl, ioprio_set, nice = (
+        int(x) for x in sys.argv[2:12]
+    )
+    entry = sys.argv[12]
     del sys.argv[1:]
     os.environ.pop("PWD", None)  # set by bwrap; the program gets an empty environment
     code = sys.stdin.buffer.read()
@@ -161,9 +195,12 @@ def main():
     os.dup2(null, 0)
     os.close(null)
     try:
+        call = syscall()
+        idle = lower_priorities(call, ioprio_set, nice)
         child = os.fork()
         if child == 0:
-            program(fd, write, code, (cpu, mem, fsize, nproc, nofile), uid, gid, keyctl, entry)
+            limits = (cpu, mem, fsize, nproc, nofile)
+            program(fd, write, code, limits, uid, gid, call, keyctl, idle, entry)
     except BaseException as exc:  # a failed setup (a uid that did not change): never run the program
         say(fd, write, "setup", "bootstrap-" + typename(exc))
         os._exit(1)
