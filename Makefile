@@ -216,6 +216,9 @@ MASTER_PORT ?= 29500
 RDZV_ID ?= blockgen
 rendezvous = $(if $(filter 1,$(NNODES)),--standalone,--nnodes=$(NNODES) --rdzv-backend=c10d \
 	--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT) --rdzv-id=$(RDZV_ID)-$(1)-$(2))
+# What the runs will cost (GPU-hours at the measured rates; harness/train_cost.py), said before the first starts.
+train_cost = $(BLOCKGEN) train-cost --presets $(foreach m,$(2),$(1)$(SCALE)-$(m)) --gpus $$(($(NNODES) * $(NPROC))) \
+	--runs $(RUNS) --device $(DEVICE) $(TRAIN_OPTS)
 define train_run
 	OMP_NUM_THREADS=1 $(TORCHRUN) $(call rendezvous,$(1),$(2)) --nproc_per_node=$(NPROC) --max-restarts=$(MAX_RESTARTS) \
 		--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=$(SHUTDOWN_TIMEOUT) -m blockgen.harness.cli train \
@@ -265,6 +268,7 @@ prepare-owt: setup
 	$(call prepare_run,owt,$(firstword $(MODELS_OWT)))
 
 train-owt: prepare-owt
+	$(call train_cost,owt,$(MODELS_OWT))
 	$(foreach m,$(MODELS_OWT),$(call train_run,owt,$(m)))
 
 eval-owt: setup $(if $(SCORER),$(SCORER)/config.json)
@@ -323,6 +327,7 @@ prepare-tinygsm: setup
 	$(call prepare_run,tinygsm,$(firstword $(MODELS_GSM)))
 
 train-tinygsm: prepare-tinygsm
+	$(call train_cost,tinygsm,$(MODELS_GSM))
 	$(foreach m,$(MODELS_GSM),$(call train_run,tinygsm,$(m)))
 
 eval-gsm8k: setup

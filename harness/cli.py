@@ -7,6 +7,7 @@
     blockgen presets                   # the presets as a table (--json: every setting)
     blockgen gpu-check                 # first run on a GPU: one JSON summary (micro size on CPU)
     blockgen prepare-data --preset owt-masked-mix   # tokenize the data once, before torchrun (same flags as train)
+    blockgen train-cost --presets owt-ar owt-masked-mix --gpus 8 --device cuda   # GPU-hours before training starts
     blockgen train-scorer --out-dir runs/scorer-text   # the offline GPT-2 scorer for owt_genppl_embedded
     blockgen leaderboard add RESULTS.json --to board.json; blockgen leaderboard show|plot|page|compare board.json
     blockgen leaderboard collect runs/results --to board.json   # every results file under the roots (a sharded sweep's)
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "with several, the findings across runs -> OUT_DIR/findings.json")
     sub.add_parser("presets", help="list the training presets as a table").add_argument(
         "--json", action="store_true", help="every setting of every preset, as one JSON object by name")
-    check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU): training, generate(), lm_eval, scorers -> one JSON summary")
+    check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU), in one time budget (--budget-s, 480 s): "
+                             "training, DDP, generate(), lm_eval, scorers -> one JSON summary and a table")
     add_dataclass_options(check_p, GpuCheckConfig)
     scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
     add_dataclass_options(scorer_p, ScorerTrainConfig)
@@ -116,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep_p = sub.add_parser("prepare-data", help="tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)")
     prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
     add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
+    cost_p = sub.add_parser("train-cost", help="what training the given presets will cost on GPUs (measured rates), "
+                            "before it starts: per model and in all, GPU-hours")
+    cost_p.add_argument("--presets", nargs="+", required=True, choices=sorted(PRESETS), help="the runs, in order")
+    cost_p.add_argument("--gpus", type=int, required=True, help="GPUs of each run: nodes x GPUs per node")
+    cost_p.add_argument("--runs", default="runs", help="runs folder: RUNS/<preset>/checkpoint's steps are done; "
+                        "RUNS/gpu-check/rates.json prices the runs when it was measured on the GPU")
+    cost_p.add_argument("--rates", default=None, help="a rates file (default: gpu-check's, else the stored H100 figures)")
+    add_dataclass_options(cost_p, TrainConfig)  # the training flags (--max-steps, --batch-size, ...) apply to every preset
     hub_p = sub.add_parser("hub-check", help="exit 1 with a message unless the hub serves the given datasets and models")
     hub_p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS),
                        help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
@@ -269,6 +279,17 @@ def main(argv: list[str] | None = None) -> int:
         except TrainingStopped as stopped:  # SIGTERM / SIGUSR1: saved and said so (train), exit 128 + the signal's number
             return stopped.exit_code
         return 0
+    if args.subcommand == "train-cost":
+        from blockgen.harness.train_cost import report
+
+        flags = {k: v for k, v in vars(args).items() if k not in ("presets", "gpus", "runs", "rates")}
+        try:
+            configs = {name: config_from_args(argparse.Namespace(**flags, preset=name)) for name in args.presets}
+            print(report(configs, args.gpus, args.runs, args.rates))
+        except ValueError as err:  # RatesError too
+            print(f"blockgen train-cost: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.subcommand == "train-scorer":
         from blockgen.harness.train_scorer import train_scorer
 
@@ -300,14 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.subcommand == "gpu-check":
-        from blockgen.harness.gpu_check import run_gpu_check
+        from blockgen.harness.gpu_check import run_gpu_check, summary_table
 
         given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "subcommand"}
         summary = run_gpu_check(GpuCheckConfig(**given))
         print(json.dumps(summary, indent=2))
+        print("\n" + summary_table(summary), file=sys.stderr)  # stdout stays one JSON document
         for name in summary["failed"]:  # the verdict and its fix where a human reads it, after the JSON
             stage = summary["stages"][name]
-            why = stage.get("error") or stage.get("skipped") or "a run failed (see its runs)"
+            why = stage.get("error") or stage.get("skipped") or stage.get("truncated") or "a run failed (see its runs)"
             print(f"blockgen gpu-check: stage {name} failed: {why.splitlines()[0]}"
                   + (f"\n  fix: {stage['fix']}" if "fix" in stage else ""), file=sys.stderr)
         return 0 if summary["ok"] else 1

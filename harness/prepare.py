@@ -33,7 +33,6 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -44,12 +43,14 @@ from blockgen.harness.data import (
     tinygsm_held_out,
 )
 from blockgen.harness.distributed import ranks_from_env
+from blockgen.harness.progress import Progress
 from blockgen.harness.tokenizer import special_tokens
 
 FORMAT_VERSION = 1  # bump when the cache's layout or framing changes: older caches are then ignored
 PROBLEMS_PER_BATCH = 10_000  # word problems tokenized per call (the fast tokenizer parallelises a batch)
 SPLITS = ("train", "val")
 META = "meta.json"
+PROGRESS_EVERY_S = 30.0  # prepare-data's progress line in a log file (not a terminal)
 
 
 class DataNotPreparedError(RuntimeError):
@@ -114,32 +115,31 @@ class _SplitWriter:
             f.close()
 
 
-def _document_rows(texts, tokenizer, special, seq_len) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    for batch in document_batches(texts):
-        rows = frame_documents(batch, tokenizer, special, seq_len)
-        yield rows, np.zeros(len(rows), np.int32), np.full(len(rows), seq_len, np.int32)
-
-
-def _write_documents(config, tokenizer, special, seq_len, writers, info) -> None:
+def _write_documents(config, tokenizer, special, seq_len, writers, info, bar: Progress) -> None:
     train_docs, held_out = document_split(config)
+    bar.set_total(len(train_docs) + len(held_out))
     for split, docs in (("train", train_docs), ("val", held_out)):
-        for rows in _document_rows(docs, tokenizer, special, seq_len):
-            writers[split].add(*rows)
+        for batch in document_batches(docs):
+            rows = frame_documents(batch, tokenizer, special, seq_len)
+            writers[split].add(rows, np.zeros(len(rows), np.int32), np.full(len(rows), seq_len, np.int32))
+            bar.update(len(batch))
     info["validation_documents"] = len(held_out)
     info["training_documents"] = len(train_docs)
 
 
-def _write_problems(config, tokenizer, special, seq_len, writers, info) -> None:
+def _write_problems(config, tokenizer, special, seq_len, writers, info, bar: Progress) -> None:
     dropped = {"train": 0, "val": 0}
 
     def add(split, questions, codes):
         batch = encode_problem_batch(questions, codes, tokenizer, special, seq_len)
         writers[split].add(batch.rows, batch.prompt_len, batch.length)
         dropped[split] += batch.dropped
+        bar.update(len(questions))
 
     if config.source == WORDPROBLEMS:
         from blockgen.harness.wordproblems import generate
 
+        bar.set_total(config.n_train + config.n_val)
         for split, name, n in (("train", "train", config.n_train), ("val", "validation", config.n_val)):
             problems = generate(name, n, config.seed, config.difficulty)
             for start in range(0, len(problems), PROBLEMS_PER_BATCH):
@@ -147,6 +147,7 @@ def _write_problems(config, tokenizer, special, seq_len, writers, info) -> None:
                 add(split, [p.question for p in part], [p.code for p in part])
     else:  # TinyGSM: stream the rows; the authors' random 1 % (seed 42) is held out
         data = load_rows(config).select_columns(["question", "code"])
+        bar.set_total(len(data))
         held = np.zeros(len(data), dtype=bool)
         held[tinygsm_held_out(len(data))] = True
         for start in range(0, len(data), PROBLEMS_PER_BATCH):
@@ -183,10 +184,11 @@ def remove_stale_attempts(directory: Path) -> list[Path]:
     return removed
 
 
-def prepare_data(config: DataConfig, seq_len: int, tokenizer=None, log=print) -> Path:
+def prepare_data(config: DataConfig, seq_len: int, tokenizer=None, log=print, progress: bool = True) -> Path:
     """Build the prepared cache of (config, seq_len) unless it exists; returns its directory.
 
-    `tokenizer`: the one to use (default: the config's, `get_tokenizer`)."""
+    `tokenizer`: the one to use (default: the config's, `get_tokenizer`). `progress`: a bar of the
+    source's rows and rows/s on stderr (a line every PROGRESS_EVERY_S seconds when it is not a terminal)."""
     directory = prepared_dir(config, seq_len, tokenizer)
     if is_prepared(directory):
         return directory
@@ -201,12 +203,15 @@ def prepare_data(config: DataConfig, seq_len: int, tokenizer=None, log=print) ->
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         writers = {split: _SplitWriter(tmp, split, seq_len) for split in SPLITS}
         info: dict = {"source": config.source}
+        # the source's rows (documents or problems) read, and their rate: OWT takes about an hour
+        bar = Progress(f"prepare-data {config.source}", unit="rows", every_s=PROGRESS_EVERY_S, enabled=progress)
         try:
             if config.source in DOCUMENT_SOURCES:
-                _write_documents(config, tokenizer, special, seq_len, writers, info)
+                _write_documents(config, tokenizer, special, seq_len, writers, info, bar)
             else:
-                _write_problems(config, tokenizer, special, seq_len, writers, info)
+                _write_problems(config, tokenizer, special, seq_len, writers, info, bar)
         finally:
+            bar.close()
             for w in writers.values():
                 w.close()
         for split in SPLITS:

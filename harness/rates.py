@@ -6,6 +6,8 @@ A rates file (JSON, `Rates`, version `RATES_VERSION`) holds what one device meas
   included) per sampler, block size and batch;
 - `likelihood_passes`: seconds per batched likelihood pass (one NELBO draw over a batch of full-length
   sequences) per model kind, prior, batch and length;
+- `training`: tokens/s of one training process (`TrainRate`) per prior, block-size mixture, micro-batch and
+  length, and its peak memory (version 2; a version-1 file, which has none, reads as an empty list);
 - `provenance`: the command, date and commit that measured them, where the figures are recorded, and
   what was and was not measured.
 
@@ -16,21 +18,25 @@ does not pick up gpu-check's file by itself: every job must price (and so split)
 
 Lookups (`Rates.call_seconds`, `Rates.pass_seconds`) take the rows of the asked precision, else of
 the same dtype with TF32 the other way (said in the note); between two measured batches the seconds
-are interpolated linearly, outside them the nearest measured batch is scaled per row.
+are interpolated linearly, outside them the nearest measured batch is scaled per row. Training:
+`training_tokens_per_s` (a prior at a length: the asked micro-batch, else the largest measured).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from blockgen.harness.eval_cost import FullScalePlan, Price
 
-RATES_VERSION = 1
+RATES_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before `training` (read as none measured)
 RATES_FILE = "rates.json"  # in gpu-check's output folder
 GPU_CHECK_FOLDER = "gpu-check"  # gpu-check's output folder in the runs folder (`make gpu-check`: $(RUNS)/gpu-check)
 STORED_RATES = Path(__file__).resolve().parent / "measured_rates" / "nvidia-h100-80gb-hbm3.json"
@@ -75,6 +81,17 @@ class PassRate:
 
 
 @dataclass(frozen=True)
+class TrainRate:
+    precision: str  # the training's matmuls: bfloat16 (+tf32: bf16 autocast, TF32 on), float32 on a CPU
+    prior: str  # masked or uniform
+    block_sizes: tuple[int, ...]  # the mixture trained, one block size per step
+    micro_batch: int  # sequences per process and micro-batch
+    seq_len: int  # tokens per sequence (L)
+    tokens_per_s: float  # one process: micro_batch x seq_len / seconds per step (the mixture's weighted mean)
+    peak_memory_gb: float | None  # torch.cuda.max_memory_allocated; None on a CPU
+
+
+@dataclass(frozen=True)
 class Provenance:
     command: str
     date: str
@@ -91,11 +108,12 @@ class Rates:
     provenance: Provenance
     sampler_calls: tuple[CallRate, ...] = ()
     likelihood_passes: tuple[PassRate, ...] = ()
+    training: tuple[TrainRate, ...] = ()
 
     def describe(self) -> str:
         p = self.provenance
-        measured = [f"{what} in {', '.join(sorted({r.precision for r in rows}))}"
-                    for what, rows in (("sampler calls", self.sampler_calls), ("likelihood passes", self.likelihood_passes)) if rows]
+        kinds = (("sampler calls", self.sampler_calls), ("likelihood passes", self.likelihood_passes), ("training", self.training))
+        measured = [f"{what} in {', '.join(sorted({r.precision for r in rows}))}" for what, rows in kinds if rows]
         return (f"{self.device}, {self.size} size, {p.date}, `{p.command}`, commit {p.commit}; measured: "
                 + ("; ".join(measured) or "nothing"))
 
@@ -112,6 +130,18 @@ class Rates:
                 if r.algo == algo and (prior is None or r.prior == prior) and r.seq_len == seq_len]
         what = f"{algo}{'' if prior is None else ' ' + prior} likelihood passes at L = {seq_len}"
         return _lookup(rows, batch, precision, what)
+
+
+def training_tokens_per_s(rates: Rates, prior: str, seq_len: int, micro_batch: int | None = None) -> float | None:
+    """Measured tokens/s of one training process for `prior` at length `seq_len`: at `micro_batch` when it
+    was measured, else at the largest measured micro-batch (the fullest GPU); None when none was measured.
+    Several rows of one micro-batch (other mixtures or precisions): the first in the file."""
+    rows = [r for r in rates.training if r.prior == prior and r.seq_len == seq_len]
+    if not rows:
+        return None
+    measured = {r.micro_batch for r in rows}
+    micro = micro_batch if micro_batch in measured else max(measured)
+    return next(r.tokens_per_s for r in rows if r.micro_batch == micro)
 
 
 def _lookup(rows: list, batch: int, precision: str, what: str) -> tuple[float | None, str]:
@@ -175,10 +205,11 @@ def read_rates(path: str | Path) -> Rates:
 
 
 def from_dict(data: Any, where: str = "rates") -> Rates:
-    if not isinstance(data, dict) or data.get("version") != RATES_VERSION:
+    """A checked `Rates` of this version; an older readable version is read as this one (its missing lists empty)."""
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         found = data.get("version") if isinstance(data, dict) else type(data).__name__
-        raise RatesError(f"rates file {where}: version: expected {RATES_VERSION}, found {found!r}")
-    rates = _build(Rates, data, where, "")
+        raise RatesError(f"rates file {where}: version: expected one of {list(READABLE_VERSIONS)}, found {found!r}")
+    rates = replace(_build(Rates, data, where, ""), version=RATES_VERSION)
     _check_values(rates, where)
     return rates
 
@@ -205,6 +236,10 @@ def _build(cls: type, data: Any, where: str, field_path: str) -> Any:
 
 
 def _value(tp: Any, value: Any, where: str, name: str) -> Any:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:  # X | None
+        (inner,) = [a for a in args if a is not type(None)]
+        return None if value is None else _value(inner, value, where, name)
     if is_dataclass(tp):
         return _build(tp, value, where, name + ".")
     if typing.get_origin(tp) is tuple:
@@ -247,6 +282,21 @@ def _check_values(rates: Rates, where: str) -> None:
                 raise bad(f"{name}.prior", r.prior, "masked or uniform")
             if isinstance(r, PassRate) and r.seq_len < 1:
                 raise bad(f"{name}.seq_len", r.seq_len, "an integer >= 1")
+    for i, t in enumerate(rates.training):
+        name = f"training[{i}]"
+        if t.precision not in PRECISIONS:
+            raise bad(f"{name}.precision", t.precision, f"one of {list(PRECISIONS)}")
+        if t.prior not in ("masked", "uniform"):
+            raise bad(f"{name}.prior", t.prior, "masked or uniform")
+        if not t.block_sizes or min(t.block_sizes) < 1:
+            raise bad(f"{name}.block_sizes", list(t.block_sizes), "one or more integers >= 1")
+        for field_name in ("micro_batch", "seq_len"):
+            if getattr(t, field_name) < 1:
+                raise bad(f"{name}.{field_name}", getattr(t, field_name), "an integer >= 1")
+        if not (t.tokens_per_s > 0 and math.isfinite(t.tokens_per_s)):
+            raise bad(f"{name}.tokens_per_s", t.tokens_per_s, "a positive number of tokens per second")
+        if t.peak_memory_gb is not None and not (t.peak_memory_gb > 0 and math.isfinite(t.peak_memory_gb)):
+            raise bad(f"{name}.peak_memory_gb", t.peak_memory_gb, "a positive number of GB, or null (not measured)")
 
 
 # ------------------------------------------------------------------------------ which file prices a sweep

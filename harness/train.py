@@ -31,13 +31,13 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from blockgen.harness.checkpoint import TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
 from blockgen.harness.data import DataConfig, Examples, current_names
 from blockgen.harness.distributed import DEFAULT_TIMEOUT_S, Distributed, ranks_from_env, resolve_device, setup_distributed
 from blockgen.harness.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
 from blockgen.harness.prepare import ensure_prepared, load_prepared
+from blockgen.harness.progress import Progress
 from blockgen.harness.tokenizer import special_tokens
 from blockgen.models.backbone import SIZES
 from blockgen.models.diffusion import NELBO_CHUNK_TOKENS
@@ -76,6 +76,9 @@ class TrainConfig:
     # Steps at which a copy of the checkpoint is kept as out_dir/checkpoint-step{N} (never overwritten),
     # e.g. (250_000,) for the paper's TinyGSM length inside a longer run.
     keep_steps: tuple[int, ...] = ()
+    # When stderr is not a terminal (a cluster's log file): one progress line every this many steps
+    # instead of tqdm's redrawn bar (harness/progress.py).
+    log_every: int = 100
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu (distributed.py: the device policy)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 autocast (CUDA)
@@ -152,7 +155,7 @@ class TrainConfig:
 # so the block-size and noise draws differ from the uninterrupted run's, the objective does not.
 RESUMABLE_CHANGES = frozenset(
     {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops",
-     "micro_batch", "dist_timeout_s", "keep_steps"}
+     "micro_batch", "dist_timeout_s", "keep_steps", "log_every"}
 )
 
 
@@ -165,6 +168,35 @@ def all_reduce_sum(x: torch.Tensor, d: Distributed) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+class MetricsLog:
+    """Rank 0's record of every step: `metrics.jsonl` (one JSON object per line) and TensorBoard event
+    files beside it in `tensorboard/` (the numeric fields as scalars, `train/...` and `val/...`). A resumed
+    run first drops what a killed run logged after its last checkpoint: the lines (`keep_records_up_to`),
+    and the events, hidden by TensorBoard's purge of the steps after it."""
+
+    def __init__(self, out: Path, step: int, enabled: bool) -> None:
+        self.path, self.board = out / "metrics.jsonl", None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where a run writes
+
+        keep_records_up_to(self.path, step)
+        self.board = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
+
+    def write(self, record: dict) -> None:
+        if self.board is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.board.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 def keep_dir(out_dir: str | Path, step: int) -> Path:
@@ -569,14 +601,14 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"{micro} sequences per process and micro-batch, {grad_accum} micro-batches per step; "
               + memory_estimate(model_config, n_params, micro, bf16, d.world_size).describe(), flush=True)
-    log_path = out / "metrics.jsonl"
     flops_per_step = training_flops_per_step(model_config, config.batch_size)
     peak = peak_flops(str(d.device), config.peak_tflops)
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before this leaves no empty folder
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
-        keep_records_up_to(log_path, step)  # a killed run may have logged steps after its last checkpoint
-    bar = tqdm(total=config.max_steps, initial=step, disable=not (progress and d.is_main), desc=out.name, dynamic_ncols=True)
+    metrics = MetricsLog(out, step, enabled=d.is_main)
+    bar = Progress(out.name, total=config.max_steps, unit="steps", initial=step, enabled=progress and d.is_main,
+                   every_steps=config.log_every, every_s=None)
     tokens_per_step = config.batch_size * config.seq_len  # the L tokens of each sequence, as bench/ counts them
     train_seconds, steps_timed, first_step = 0.0, 0, step + 1
 
@@ -653,9 +685,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
                     record.update(validate(ema_model(), val_data, config.k_mc, max(micro, 8), d, config.seed))
                 if d.is_main:
                     bar.write(f"step {step}: val NLL/token {record['val_nll_lse']:.4f} (LSE) {record['val_nll_jensen']:.4f} (Jensen)")
-            if d.is_main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            metrics.write(record)
             saved = step % config.save_every == 0 or step == config.max_steps or step in config.keep_steps
             if saved:
                 checkpoint(final=step == config.max_steps)
@@ -664,6 +694,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
                 if not saved:
                     checkpoint(final=False)
                 bar.close()
+                metrics.close()
                 stopped = TrainingStopped(signum, step, ckpt_dir)
                 if d.is_main:  # said before any rank exits: torchrun stops the others when the first one does
                     print(f"blockgen train: {stopped}", file=sys.stderr, flush=True)
@@ -671,6 +702,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
                     dist.barrier()  # no rank leaves before rank 0 has saved
                 raise stopped
     bar.close()
+    metrics.close()
     if d.world_size > 1:
         dist.barrier()
     return ckpt_dir

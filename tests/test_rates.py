@@ -23,10 +23,14 @@ from dataclasses import replace
 import pytest
 
 from blockgen.harness import checkpoint, cli, rates, sweep
-from blockgen.harness.rates import PassRate, RatesError, read_rates, write_rates
+from blockgen.harness.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
 
 TOTAL = re.compile(r"total: .*, ([0-9.]+) h \(([0-9.]+) GPU-h at measured rates \((.*)\) \+ ([0-9.]+) H200-h FLOP bound "
                    r"where no rate was measured; FLOP bound of all: ([0-9.]+) H200-h")
+
+
+TRAIN_ROW = {"precision": "bfloat16+tf32", "prior": "masked", "block_sizes": [1, 16], "micro_batch": 32, "seq_len": 1024,
+             "tokens_per_s": 164000.0, "peak_memory_gb": 51.0}
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +69,14 @@ def test_round_trip_and_the_stored_file_holds_the_measured_figures(tmp_path):
     assert {(c.sampler, c.batch): c.seconds for c in r.sampler_calls} == pytest.approx(table, rel=1e-5)
     assert {c.precision for c in r.sampler_calls} == {"float32+tf32"}  # the stage ran with TF32 on then
     assert r.likelihood_passes == ()  # not measured on the H100: priced by the FLOP bound
+    # docs/results.md's training table: the masked prior at block size 16 alone (not a mixture), bf16 with TF32 on
+    assert {(t.prior, t.block_sizes, t.micro_batch, t.seq_len, t.precision): (t.tokens_per_s, t.peak_memory_gb) for t in r.training} == {
+        ("masked", (16,), 8, 1024, "bfloat16+tf32"): (135_900, 15.0), ("masked", (16,), 32, 1024, "bfloat16+tf32"): (164_000, 51.0)}
+    assert rates.training_tokens_per_s(r, "masked", 1024, 32) == 164_000 and rates.training_tokens_per_s(r, "uniform", 1024) is None
 
 
 @pytest.mark.parametrize("change, field, problem", [
-    (lambda d: d.update(version=2), "version", "expected 1, found 2"),
+    (lambda d: d.update(version=3), "version", "expected one of [1, 2], found 3"),
     (lambda d: d.pop("device"), "device", "missing"),
     (lambda d: d["sampler_calls"][1].update(seconds="fast"), r"sampler_calls\[1\]\.seconds", "expected float, found 'fast'"),
     (lambda d: d["sampler_calls"][2].update(seconds=-0.01), r"sampler_calls\[2\]\.seconds", "a positive number"),
@@ -81,6 +89,10 @@ def test_round_trip_and_the_stored_file_holds_the_measured_figures(tmp_path):
      r"likelihood_passes\[0\]\.prior", "masked or uniform"),
     (lambda d: d["provenance"].pop("commit"), r"provenance\.commit", "missing"),
     (lambda d: d.update(size="huge"), "size", "one of"),
+    (lambda d: d.update(training=[{**TRAIN_ROW, "tokens_per_s": 0}]), r"training\[0\]\.tokens_per_s", "a positive number"),
+    (lambda d: d.update(training=[{**TRAIN_ROW, "block_sizes": []}]), r"training\[0\]\.block_sizes", "one or more integers"),
+    (lambda d: d.update(training=[{**TRAIN_ROW, "peak_memory_gb": "lots"}]), r"training\[0\]\.peak_memory_gb", "expected float"),
+    (lambda d: d.update(training=[{**TRAIN_ROW, "prior": "absorb"}]), r"training\[0\]\.prior", "masked or uniform"),
 ])
 def test_a_bad_rates_file_names_the_file_and_the_field(tmp_path, change, field, problem):
     data = json.loads(rates.STORED_RATES.read_text())
@@ -89,6 +101,32 @@ def test_a_bad_rates_file_names_the_file_and_the_field(tmp_path, change, field, 
     path.write_text(json.dumps(data))
     with pytest.raises(RatesError, match=rf"rates file {re.escape(str(path))}: {field}: .*{re.escape(problem)}"):
         read_rates(path)
+
+
+def test_a_version_1_file_reads_as_version_2_without_training(tmp_path):
+    """Files written before training rates (version 1, no `training` list) still load: none measured."""
+    data = json.loads(rates.STORED_RATES.read_text())
+    data.pop("training")
+    data["version"] = 1
+    (tmp_path / "v1.json").write_text(json.dumps(data))
+    old = read_rates(tmp_path / "v1.json")
+    assert old == replace(stored(), training=()) and old.version == rates.RATES_VERSION == 2 and old.training == ()
+
+
+def test_training_rates_round_trip_and_the_lookup(tmp_path):
+    rows = (TrainRate("bfloat16+tf32", "masked", (1, 16), 8, 1024, 136_000.0, 15.0),
+            TrainRate("bfloat16+tf32", "masked", (1, 16), 32, 1024, 164_000.0, 51.0),
+            TrainRate("bfloat16+tf32", "uniform", (1, 16), 32, 1024, 150_000.0, None),
+            TrainRate("bfloat16+tf32", "masked", (1, 16), 64, 512, 170_000.0, 50.0))
+    r = read_rates(write_rates(replace(stored(), training=rows), tmp_path / "train.json"))
+    assert r.training == rows and "training in bfloat16+tf32" in r.describe()
+    assert rates.training_tokens_per_s(r, "masked", 1024, 8) == 136_000.0  # the asked micro-batch
+    assert rates.training_tokens_per_s(r, "masked", 1024) == 164_000.0  # none asked: the largest measured
+    assert rates.training_tokens_per_s(r, "masked", 1024, 16) == 164_000.0  # not measured: the largest measured
+    assert rates.training_tokens_per_s(r, "uniform", 1024, 8) == 150_000.0
+    assert rates.training_tokens_per_s(r, "masked", 512, 64) == 170_000.0
+    assert rates.training_tokens_per_s(r, "uniform", 512) is None  # no row for that prior and length
+    assert rates.training_tokens_per_s(stored(), "uniform", 1024) is None  # the stored H100 file: masked only
 
 
 def test_not_json_or_missing_is_one_line(tmp_path):
