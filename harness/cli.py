@@ -34,7 +34,7 @@ import sys
 import typing
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, get_args, get_origin
 
 from blockgen.harness import leaderboard, outcomes, regression, released, sample, sampler_grid, scorers, sweep
 from blockgen.harness.compare import CompareError, compare, format_comparison
@@ -79,12 +79,17 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, prefix: st
         parser.add_argument(flag, **kwargs)
 
 
+def from_args(base: Any, given: dict[str, Any]) -> Any:
+    """`base` (a config dataclass) with the options given (`add_dataclass_options`): `data.NAME` into its
+    nested `data`, lists (nargs="+") as tuples. The one way a subcommand turns its flags into a config."""
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    nested = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
+    return replace(base, **given, **({"data": replace(base.data, **nested)} if nested else {}))
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    given = {k: v for k, v in vars(args).items() if k not in ("subcommand", "preset")}
-    data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
-    base = preset(args.preset)
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}  # nargs="+" gives lists
-    return replace(base, **given, data=replace(base.data, **data_over))
+    """A training config: `--preset` with the training flags given."""
+    return from_args(preset(args.preset), {k: v for k, v in vars(args).items() if k not in ("subcommand", "preset")})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,7 +257,100 @@ def _leaderboard(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------ main
 
 # The subcommands whose work lives in the module that mounted them (the others are run in `main`).
-RUNNERS = {
+def _presets(args: argparse.Namespace) -> int:
+    print(json.dumps({name: cfg.to_dict() for name, cfg in PRESETS.items()}, indent=1) if args.json else preset_table())
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from blockgen.harness.checkpoint import CheckpointError
+    from blockgen.harness.hub import HubUnavailableError
+    from blockgen.harness.train import TrainingStopped, train
+
+    try:  # the errors a user's settings or files cause: one line each, naming the choices
+        print(f"checkpoint: {train(config_from_args(args))}")
+    except (ValueError, CheckpointError, HubUnavailableError) as err:
+        print(f"blockgen train: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingStopped as stopped:  # SIGTERM / SIGUSR1: saved and said so (train), exit 128 + the signal's number
+        return stopped.exit_code
+    return 0
+
+
+def _train_cost(args: argparse.Namespace) -> int:
+    from blockgen.harness.train_cost import report
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("presets", "gpus", "runs", "rates")}
+    try:
+        configs = {name: config_from_args(argparse.Namespace(**flags, preset=name)) for name in args.presets}
+        print(report(configs, args.gpus, args.runs, args.rates))
+    except ValueError as err:  # RatesError too
+        print(f"blockgen train-cost: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train_scorer(args: argparse.Namespace) -> int:
+    from blockgen.harness.train_scorer import train_scorer
+
+    given = {k: v for k, v in vars(args).items() if k != "subcommand"}
+    print(f"scorer: {train_scorer(from_args(ScorerTrainConfig(), given))}")
+    return 0
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from blockgen.harness.prepare import prepare_data
+
+    config = config_from_args(args)
+    print(f"prepared: {prepare_data(config.data, config.seq_len)}")
+    return 0
+
+
+def _hub_check(args: argparse.Namespace) -> int:
+    from blockgen.harness.hub import HubUnavailableError, check_files
+
+    datasets, tokenizers = [(name, None, None) for name in args.datasets], []
+    for name in args.presets:
+        data = preset(name).data
+        if data.path is None and data.source in ("owt", "tinygsm"):
+            datasets.append((*data.hub_dataset(), "train"))
+        if data.tokenizer != LOCAL_TOKENIZER:
+            tokenizers.append(data.tokenizer)
+    try:
+        check_files(list(dict.fromkeys(datasets)), list(dict.fromkeys(tokenizers)), args.models)
+    except HubUnavailableError as err:
+        print(f"blockgen: hub check failed: {err}.\n{args.hint}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _gpu_check(args: argparse.Namespace) -> int:
+    from blockgen.harness.gpu_check import run_gpu_check, summary_table
+
+    summary = run_gpu_check(from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"}))
+    print(json.dumps(summary, indent=2))
+    print("\n" + summary_table(summary), file=sys.stderr)  # stdout stays one JSON document
+    for name in summary["failed"]:  # the verdict and its fix where a human reads it, after the JSON
+        stage = summary["stages"][name]
+        why = stage.get("error") or stage.get("skipped") or stage.get("truncated") or "a run failed (see its runs)"
+        print(f"blockgen gpu-check: stage {name} failed: {why.splitlines()[0]}"
+              + (f"\n  fix: {stage['fix']}" if "fix" in stage else ""), file=sys.stderr)
+    return 0 if summary["ok"] else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from blockgen.harness.demo import run_demo
+
+    run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
+                        jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
+                        seeds=tuple(args.seeds)))
+    return 0
+
+
+# Every subcommand's runner: (parsed arguments) -> exit status.
+RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train, "demo": _demo, "presets": _presets, "gpu-check": _gpu_check, "train-scorer": _train_scorer,
+    "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": released.run_import, "released": released.run, "sweep": sweep.run,
     "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": scorers.run,
     "variants": sampler_grid.run,
@@ -261,86 +359,7 @@ RUNNERS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.subcommand in RUNNERS:
-        return RUNNERS[args.subcommand](args)
-    if args.subcommand == "presets":
-        print(json.dumps({name: cfg.to_dict() for name, cfg in PRESETS.items()}, indent=1) if args.json else preset_table())
-        return 0
-    if args.subcommand == "train":
-        from blockgen.harness.checkpoint import CheckpointError
-        from blockgen.harness.hub import HubUnavailableError
-        from blockgen.harness.train import TrainingStopped, train
-
-        try:  # the errors a user's settings or files cause: one line each, naming the choices
-            print(f"checkpoint: {train(config_from_args(args))}")
-        except (ValueError, CheckpointError, HubUnavailableError) as err:
-            print(f"blockgen train: error: {err}", file=sys.stderr)
-            return 2
-        except TrainingStopped as stopped:  # SIGTERM / SIGUSR1: saved and said so (train), exit 128 + the signal's number
-            return stopped.exit_code
-        return 0
-    if args.subcommand == "train-cost":
-        from blockgen.harness.train_cost import report
-
-        flags = {k: v for k, v in vars(args).items() if k not in ("presets", "gpus", "runs", "rates")}
-        try:
-            configs = {name: config_from_args(argparse.Namespace(**flags, preset=name)) for name in args.presets}
-            print(report(configs, args.gpus, args.runs, args.rates))
-        except ValueError as err:  # RatesError too
-            print(f"blockgen train-cost: error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    if args.subcommand == "train-scorer":
-        from blockgen.harness.train_scorer import train_scorer
-
-        given = {k: v for k, v in vars(args).items() if k != "subcommand"}
-        data_over = {k.split(".", 1)[1]: given.pop(k) for k in list(given) if k.startswith("data.")}
-        base = ScorerTrainConfig()
-        print(f"scorer: {train_scorer(replace(base, **given, data=replace(base.data, **data_over)))}")
-        return 0
-    if args.subcommand == "prepare-data":
-        from blockgen.harness.prepare import prepare_data
-
-        config = config_from_args(args)
-        print(f"prepared: {prepare_data(config.data, config.seq_len)}")
-        return 0
-    if args.subcommand == "hub-check":
-        from blockgen.harness.hub import HubUnavailableError, check_files
-
-        datasets, tokenizers = [(name, None, None) for name in args.datasets], []
-        for name in args.presets:
-            data = preset(name).data
-            if data.path is None and data.source in ("owt", "tinygsm"):
-                datasets.append((*data.hub_dataset(), "train"))
-            if data.tokenizer != LOCAL_TOKENIZER:
-                tokenizers.append(data.tokenizer)
-        try:
-            check_files(list(dict.fromkeys(datasets)), list(dict.fromkeys(tokenizers)), args.models)
-        except HubUnavailableError as err:
-            print(f"blockgen: hub check failed: {err}.\n{args.hint}", file=sys.stderr)
-            return 1
-        return 0
-    if args.subcommand == "gpu-check":
-        from blockgen.harness.gpu_check import run_gpu_check, summary_table
-
-        given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k != "subcommand"}
-        summary = run_gpu_check(GpuCheckConfig(**given))
-        print(json.dumps(summary, indent=2))
-        print("\n" + summary_table(summary), file=sys.stderr)  # stdout stays one JSON document
-        for name in summary["failed"]:  # the verdict and its fix where a human reads it, after the JSON
-            stage = summary["stages"][name]
-            why = stage.get("error") or stage.get("skipped") or stage.get("truncated") or "a run failed (see its runs)"
-            print(f"blockgen gpu-check: stage {name} failed: {why.splitlines()[0]}"
-                  + (f"\n  fix: {stage['fix']}" if "fix" in stage else ""), file=sys.stderr)
-        return 0 if summary["ok"] else 1
-    if args.subcommand == "demo":
-        from blockgen.harness.demo import run_demo
-
-        run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
-                            jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
-                            seeds=tuple(args.seeds)))
-        return 0
-    raise NotImplementedError(f"blockgen: subcommand {args.subcommand!r} is parsed but has no runner")
+    return RUNNERS[args.subcommand](args)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ WARM_STARTS = {name: "gsm-ar" for name in ("gsm-masked", "gsm-uniform", "gsm-mas
 
 
 @dataclass(frozen=True)
-class Variant:
+class ModelRecipe:
     """One of the paper's models or baselines: a prior and a block-size mixture (no separate code).
 
     A block size of 0 stands for the benchmark's sequence length: one block over the whole sequence
@@ -72,28 +72,28 @@ class Variant:
                        architecture=self.architecture)
 
 
-def _single(prior: str, block: int) -> Variant:
+def _single(prior: str, block: int) -> ModelRecipe:
     loss = "cross-entropy" if prior == "masked" else "NELBO"
-    return Variant(prior, (block,), (1.0,), f"single-block {prior} diffusion, L' = {block}, trained on the {loss}")
+    return ModelRecipe(prior, (block,), (1.0,), f"single-block {prior} diffusion, L' = {block}, trained on the {loss}")
 
 
-VARIANTS: dict[str, Variant] = {
-    "ar": Variant("masked", (1,), (1.0,), "the paper's AR baseline: plain causal transformer over L tokens, exact NLL", "ar"),
+VARIANTS: dict[str, ModelRecipe] = {
+    "ar": ModelRecipe("masked", (1,), (1.0,), "the paper's AR baseline: plain causal transformer over L tokens, exact NLL", "ar"),
     # BlockGen's own AR path ([x0 ; xt] over 2L at block size 1): the demo's gsm-ar, which mixtures warm-start from.
-    "blockgen-b1": Variant("masked", (1,), (1.0,), "BlockGen at block size 1 ([x0 ; xt], 2L tokens): autoregressive, exact NLL"),
+    "blockgen-b1": ModelRecipe("masked", (1,), (1.0,), "BlockGen at block size 1 ([x0 ; xt], 2L tokens): autoregressive, exact NLL"),
     **{f"{p}-{b}": _single(p, b) for p in ("masked", "uniform") for b in (4, 8, 16, 32)},
-    "mdlm": Variant("masked", (0,), (1.0,), "full-sequence masked diffusion (MDLM-like): one block of L"),
-    "duo": Variant("uniform", (0,), (1.0,), "full-sequence uniform diffusion (Duo-like): one block of L"),
+    "mdlm": ModelRecipe("masked", (0,), (1.0,), "full-sequence masked diffusion (MDLM-like): one block of L"),
+    "duo": ModelRecipe("uniform", (0,), (1.0,), "full-sequence uniform diffusion (Duo-like): one block of L"),
     **{
-        f"{p}-mix": Variant(p, (1, 16), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_16 = 0.95 (table 1, figures 1-2)")
+        f"{p}-mix": ModelRecipe(p, (1, 16), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_16 = 0.95 (table 1, figures 1-2)")
         for p in ("masked", "uniform")
     },
     **{
-        f"{p}-mix32": Variant(p, (1, 32), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_32 = 0.95 (block size 32 tables)")
+        f"{p}-mix32": ModelRecipe(p, (1, 32), (0.05, 0.95), f"BlockGen {p}, gamma_1 = 0.05, gamma_32 = 0.95 (block size 32 tables)")
         for p in ("masked", "uniform")
     },
     **{
-        f"{p}-mix-flat": Variant(p, (1, 2, 4, 8, 16), (0.2,) * 5, f"BlockGen {p}, gamma_i = 0.2 over 1, 2, 4, 8, 16 (table 1)")
+        f"{p}-mix-flat": ModelRecipe(p, (1, 2, 4, 8, 16), (0.2,) * 5, f"BlockGen {p}, gamma_i = 0.2 over 1, 2, 4, 8, 16 (table 1)")
         for p in ("masked", "uniform")
     },
 }

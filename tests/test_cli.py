@@ -48,7 +48,7 @@ def run(argv: list[str]) -> tuple[int, str, str]:
 def test_every_subcommand_answers_help():
     paths = commands(cli.build_parser())
     expected = {("train",), ("demo",), ("presets",), ("gpu-check",), ("train-scorer",), ("sample",), ("prepare-data",),
-                ("hub-check",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
+                ("hub-check",), ("train-cost",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
                 ("sweep",), ("outcomes", "check"), ("outcomes", "update"), ("regression", "check"), ("regression", "update"),
                 ("scorers", "check-vllm"), ("variants",)}
     expected |= {("leaderboard", action) for action in ("add", "collect", "show", "plot", "page", "compare", "check")}
@@ -56,6 +56,11 @@ def test_every_subcommand_answers_help():
     for path in paths:
         code, out, _ = run([*path, "--help"])
         assert code == 0 and out.startswith(f"usage: blockgen {' '.join(path)}"), (path, out[:200])
+
+
+def test_one_dispatch_table_runs_every_subcommand():
+    top = {path[0] for path in commands(cli.build_parser())}
+    assert top == set(cli.RUNNERS), (sorted(top - set(cli.RUNNERS)), sorted(set(cli.RUNNERS) - top))
 
 
 def test_no_option_overwrites_the_subcommand_it_belongs_to():
