@@ -569,11 +569,10 @@ class BlockGenLM(TemplateLM):
         else:
             name = "ancestral"
         try:
-            steps, ge, warmup = a.steps, a.ge, a.warmup
-            if a.nfe is not None:  # the paper's variant at that NFE, narrowed by any steps/ge/warmup given
-                from blockgen.harness.sampler_grid import pick
+            from blockgen.harness.sampler_grid import settings_at
 
-                _, steps, ge, warmup = pick(name, a.nfe, steps, ge, warmup)
+            # nfe=: the paper's variant at that NFE, narrowed by any steps/ge/warmup given
+            steps, ge, warmup = settings_at(name, a.nfe, a.steps, a.ge, a.warmup)
             # steps defaults to the block size: one token per reverse step on average
             steps = steps or resolve_block_size(config, SamplerConfig(name=name, block_size=a.block_size))
             temperature = 1.0 if a.temperature is None else a.temperature

@@ -2,6 +2,7 @@
 
     blockgen sample --checkpoint runs/masked-mix --prompt "Tom has 3 apples." --sep \\
         --sampler arpc --steps 12 --ge 3 --temperature 0.1 --max-new-tokens 128
+    blockgen sample --checkpoint DIR --prompt "Tom has 3 apples." --sep --sampler arpc --nfe 4   # the paper's variant
     blockgen sample --checkpoint DIR --prompt "" --num-samples 8 --out samples.jsonl
 
 Each prompt is encoded as `[BOS] text` (`--no-bos` drops BOS, `--sep` appends the separator the
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from blockgen.harness.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.distributed import resolve_device
 from blockgen.harness.hub import HubUnavailableError
+from blockgen.harness.sampler_grid import settings_at
 from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
 
 
@@ -40,9 +42,11 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sep", action="store_true", help="append the prompt/answer separator")
     defaults = SamplerConfig()
     p.add_argument("--sampler", choices=list(SAMPLERS), default=defaults.name)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="N_step: reverse steps per block")
-    p.add_argument("--ge", type=int, default=defaults.ge, help="an informed step every GE steps (eipc, arpc)")
-    p.add_argument("--warmup", type=int, default=defaults.warmup, help="ancestral steps before the first informed one")
+    p.add_argument("--nfe", type=int, default=None, help="the paper's variant at this NFE per block (`blockgen variants "
+                   "SAMPLER`), narrowed by any --steps/--ge/--warmup given; as lm-eval's nfe= model arg")
+    p.add_argument("--steps", type=int, default=None, help=f"N_step: reverse steps per block (default {defaults.steps})")
+    p.add_argument("--ge", type=int, default=None, help=f"an informed step every GE steps (eipc, arpc; default {defaults.ge})")
+    p.add_argument("--warmup", type=int, default=None, help=f"ancestral steps before the first informed one (default {defaults.warmup})")
     p.add_argument("--temperature", type=float, default=defaults.temperature)
     p.add_argument("--block-size", type=int, default=None, help="default: the largest trained block size")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
@@ -64,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: give --prompt (repeatable; '' for unconditional) or --prompts-file", file=sys.stderr)
         return 2
     try:
+        steps, ge, warmup = settings_at(args.sampler, args.nfe, args.steps, args.ge, args.warmup)
+        defaults = SamplerConfig()
         config = SamplerConfig(
-            name=args.sampler, steps=args.steps, ge=args.ge, warmup=args.warmup, temperature=args.temperature,
+            name=args.sampler, steps=defaults.steps if steps is None else steps, ge=defaults.ge if ge is None else ge,
+            warmup=defaults.warmup if warmup is None else warmup, temperature=args.temperature,
             block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
         )
         from blockgen.harness.released import ReleaseOverrides, resolve

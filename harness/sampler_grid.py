@@ -77,6 +77,17 @@ def pick(sampler: str, nfe: int, steps: int | None = None, ge: int | None = None
     return matching[0]
 
 
+def settings_at(sampler: str, nfe: int | None, steps: int | None = None, ge: int | None = None,
+                warmup: int | None = None) -> tuple[int | None, int | None, int | None]:
+    """(steps, ge, warmup) of a setting asked for by NFE per block: the paper's variant at `nfe` narrowed by
+    those given (`pick`), or those given when `nfe` is None. The one rule behind `nfe=N` (lm-eval's model
+    args) and `blockgen sample --nfe N`."""
+    if nfe is None:
+        return steps, ge, warmup
+    _, steps, ge, warmup = pick(sampler, nfe, steps, ge, warmup)
+    return steps, ge, warmup
+
+
 def build_parser(parser: argparse.ArgumentParser) -> None:
     """`blockgen variants` (mounted by harness/cli.py)."""
     parser.add_argument("sampler", choices=sorted(GRID))
