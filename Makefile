@@ -111,7 +111,7 @@ clean:
 
 # ---------------------------------------------------------------------------------------------
 # The paper's pipeline: train -> lm_eval over a sampler x NFE grid -> leaderboard JSON and plots.
-# Models are the presets `<benchmark>-<variant>` of harness/presets.py (`blockgen presets`):
+# Models are the presets `<benchmark>-<variant>` of harness/training/presets.py (`blockgen presets`):
 # ar, masked-16, uniform-16, ..., mdlm, duo, masked-mix (gamma_1 = 0.05, gamma_16 = 0.95), ...
 # Grids: the (N_step, GE, warm-up) variants of the paper's tables 4-9, grouped by NFE per block;
 # `blockgen leaderboard show --best` and the plots keep the best variant per NFE, as the paper does.
@@ -133,7 +133,7 @@ PRECISION ?=
 ATTENTION ?=
 COMPILE ?=
 TRAIN_ARGS ?=
-# Evaluation runs `blockgen sweep` (harness/sweep.py) over harness/grids.py, the one home of the grids (models' samplers x
+# Evaluation runs `blockgen sweep` (harness/evaluation/sweep.py) over harness/evaluation/grids.py, the one home of the grids (models' samplers x
 # NFE x temperatures, by benchmark; `blockgen sweep GRID --dry-run` lists them). Empty: the grid's value.
 TEMPS_OWT ?=
 TEMPS_GSM ?=
@@ -192,7 +192,7 @@ TRAIN_OPTS = $(call opt,--max-steps,$(STEPS)) $(call opt,--batch-size,$(BATCH)) 
 # $(2) variant. A benchmark's models share their data, so the first model prepares it for all (a
 # model whose data differed would prepare its own at start, before its process group).
 # On a cluster only node 0 prepares (once per run directory, on the shared file system); the other
-# nodes' ranks wait for it in `ensure_prepared` (harness/prepare.py).
+# nodes' ranks wait for it in `ensure_prepared` (harness/data/prepare.py).
 define prepare_run
 	$(if $(filter 0,$(NODE_RANK)),OMP_NUM_THREADS=1 $(BLOCKGEN) prepare-data --preset $(1)$(SCALE)-$(2) $(TRAIN_OPTS),\
 	@echo "node $(NODE_RANK): the data is prepared by node 0 (shared file system; docs/training.md, Multi-node)")
@@ -208,7 +208,7 @@ SHUTDOWN_TIMEOUT ?= 300
 # Several machines (docs/training.md, "Multi-node"; its SLURM template sets these): NNODES x NPROC
 # processes meet at torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT under one id per model.
 # Run the same `make train-...` on every node, with NODE_RANK 0 to NNODES - 1. RUNS must be on a file
-# system every node shares (checked at start: `check_same_run_directory` in harness/train.py).
+# system every node shares (checked at start: `check_same_run_directory` in harness/training/train.py).
 NNODES ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= localhost
@@ -216,7 +216,7 @@ MASTER_PORT ?= 29500
 RDZV_ID ?= blockgen
 rendezvous = $(if $(filter 1,$(NNODES)),--standalone,--nnodes=$(NNODES) --rdzv-backend=c10d \
 	--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT) --rdzv-id=$(RDZV_ID)-$(1)-$(2))
-# What the runs will cost (GPU-hours at the measured rates; harness/train_cost.py), said before the first starts.
+# What the runs will cost (GPU-hours at the measured rates; harness/costs/train_cost.py), said before the first starts.
 train_cost = $(BLOCKGEN) train-cost --presets $(foreach m,$(2),$(1)$(SCALE)-$(m)) --gpus $$(($(NNODES) * $(NPROC))) \
 	--runs $(RUNS) --device $(DEVICE) $(TRAIN_OPTS)
 define train_run
@@ -226,7 +226,7 @@ define train_run
 
 endef
 
-# One `blockgen sweep` per benchmark (harness/sweep.py): each model loaded once per process, every
+# One `blockgen sweep` per benchmark (harness/evaluation/sweep.py): each model loaded once per process, every
 # setting through lm-eval's Python API on it, one results folder per setting under $(RUNS)/results
 # (kept: a rerun skips the settings done on the same checkpoint), one scorer for all owt_genppl
 # settings. torchrun (data parallel, one vLLM server per GPU) when EVAL_NPROC > 1. $(1) the grid,
@@ -300,7 +300,7 @@ regression-update: setup $(if $(FROM),,ci-pipeline)
 	$(BLOCKGEN) regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
 		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
 
-# gsm8k_code regression (docs/testing.md, "CI regression"; harness/outcomes.py): the small trained checkpoint
+# gsm8k_code regression (docs/testing.md, "CI regression"; harness/reports/outcomes.py): the small trained checkpoint
 # stored in CI_GSM_STORE is evaluated again under the settings of `blockgen sweep ci-gsm8k` into an empty
 # CI_GSM_RUNS, and every problem's outcome is compared with the stored one (exact McNemar per setting).
 # `make regression-gsm8k-update` rewrites the stored outcomes (CHECKPOINT=<checkpoint dir> copies that
@@ -337,10 +337,10 @@ eval-gsm8k: setup
 
 # ---------------------------------------------------------------------------------------------
 # The paper's released checkpoints (docs/released.md): the same
-# grids (`blockgen sweep released-owt|released-gsm8k`, harness/sweep.py) on the authors' models, loaded
+# grids (`blockgen sweep released-owt|released-gsm8k`, harness/evaluation/sweep.py) on the authors' models, loaded
 # as pretrained=hf:jdeschena/blockgen/<subfolder> (converted once, cached; BLOCKGEN_RELEASE_DIR=DIR and
 # HF_HUB_OFFLINE=1 read a local copy). Model names are this project's (MODELS_*_RELEASED); their
-# subfolders live in harness/released.py (`blockgen released names`). Full scale only (GPU and hub).
+# subfolders live in harness/checkpoints/released.py (`blockgen released names`). Full scale only (GPU and hub).
 # DRY_RUN=1 prints each setting with its derived H200-hours and runs nothing (`make -n` shows the
 # commands; neither touches the network).
 RELEASE_REPO := jdeschena/blockgen

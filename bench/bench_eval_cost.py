@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_eval_cost.py --grids demo --repeats 1
     .venv/bin/python bench/bench_eval_cost.py --write-table       # also print `eval_cost.CPU_RATES` to paste
 
-For every (preset, batch size) of the offline grids (`harness/grids.py`: owt-embedded, gsm8k-embedded,
+For every (preset, batch size) of the offline grids (`harness/evaluation/grids.py`: owt-embedded, gsm8k-embedded,
 demo, ci-gsm8k) a model of the preset's shape with RANDOM weights (cost does not depend on the
 weights) is timed, as `blockgen sweep` calls it:
 - a likelihood pass: `score_windows` on a batch of full-length windows at the grid's K_MC, divided by
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from blockgen.harness import eval_cost
-from blockgen.harness.grids import GRIDS
-from blockgen.harness.lm_eval_adapter import Window, score_windows
-from blockgen.harness.precision import compute_precision
-from blockgen.harness.presets import preset
+from blockgen.harness.costs import eval_cost
+from blockgen.harness.evaluation.grids import GRIDS
+from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
+from blockgen.harness.runtime.precision import compute_precision
+from blockgen.harness.training.presets import preset
 from blockgen.models.model import BlockGen
 from blockgen.models.sampling import SamplerConfig, generate
 
@@ -121,7 +121,7 @@ def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
     (`owt.score_samples`), then MAUVE over the n samples (`owt.mauve_score`)."""
     import tempfile
 
-    from blockgen.harness.scorers import ScorerConfig, shared_scorers
+    from blockgen.harness.evaluation.scorers import ScorerConfig, shared_scorers
     from blockgen.tasks.blockgen_toy import training_text
     from blockgen.tasks.owt import genppl_results, mauve_score, score_samples
 
@@ -132,7 +132,7 @@ def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
 
     def go():
         # A fresh MAUVE cache each time: the references are featurized too (a sweep's first setting;
-        # later settings reuse them, harness/mauve_cache.py), so the rate stays an upper bound.
+        # later settings reuse them, harness/evaluation/mauve_cache.py), so the rate stays an upper bound.
         with tempfile.TemporaryDirectory() as cache:
             records = score_samples(samples, references, config, Path(cache))
             mauve_score([genppl_results({}, [r])["mauve"] for r in records])
@@ -165,7 +165,7 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict
     loaded, best of repeats) minus the work `sweep.estimate` prices from the rates just measured."""
     import tempfile
 
-    from blockgen.harness import sweep
+    from blockgen.harness.evaluation import sweep
 
     out: dict[str, float] = {}
     metadata = {"scorer_model": scorer}

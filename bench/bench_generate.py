@@ -29,8 +29,8 @@ from blockgen.models.backbone import SIZES
 
 
 def random_checkpoint(out: Path, size: str, seq_len: int) -> Path:
-    from blockgen.harness.checkpoint import save_checkpoint
-    from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.harness.checkpoints.checkpoint import save_checkpoint
+    from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
     from blockgen.models.model import BlockGen, BlockGenConfig
     from blockgen.tasks.blockgen_toy import training_text
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from blockgen.harness.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
 
     reqs = requests(args.requests)
     header = " | ".join(f"batch {b} tok/s" for b in args.batch_sizes)

@@ -27,8 +27,8 @@ import torch
 
 def train_micro(out: Path, minutes: float, seed: int = 0) -> Path:
     """A micro masked mixture, block sizes (1, 8), trained on the toy text (documents packed from position 0)."""
-    from blockgen.harness.checkpoint import save_checkpoint
-    from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.harness.checkpoints.checkpoint import save_checkpoint
+    from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
     from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
     from blockgen.tasks.blockgen_toy import training_text
@@ -70,7 +70,7 @@ def choices_per_seed(checkpoint: Path, k_mc: int, seeds: list[int], crn: bool) -
     """(chosen answer per question for each seed, accuracy per seed, predicted seed disagreement per seed)."""
     from lm_eval.api.instance import Instance
 
-    from blockgen.harness.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
     from blockgen.tasks.blockgen_toy import load_mc
 
     docs = list(load_mc()["test"])

@@ -1,7 +1,7 @@
 """Data preparation cost: rows/s and peak memory of `blockgen prepare-data` at two sizes, side by side.
 
 Synthetic files of the real schemas (TinyGSM: `question`, `code`; OWT: `text`) as parquet, prepared
-in a fresh process each (harness/prepare.py: the same code as `blockgen prepare-data`) with a BPE
+in a fresh process each (harness/data/prepare.py: the same code as `blockgen prepare-data`) with a BPE
 trained locally (no hub; the real tokenizers, SmolLM-135M's and GPT-2's, may be faster or slower).
 Peak memory: the process's peak RSS (ru_maxrss, which includes the memory-mapped Arrow pages that
 the page cache can drop) and its peak anonymous RSS (sampled every 5 ms: memory that cannot be dropped).
@@ -30,8 +30,8 @@ OWT_TOKENS = 9.0e9  # GPT-2 tokens of OWT (about 1,120 per document)
 
 PROBE = """
 import json, resource, sys, threading, time
-from blockgen.harness.data import DataConfig
-from blockgen.harness.prepare import prepare_data
+from blockgen.harness.data.sources import DataConfig
+from blockgen.harness.data.prepare import prepare_data
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -59,7 +59,7 @@ def write_tinygsm(path: Path, rows: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from blockgen.harness.wordproblems import generate, to_records
+    from blockgen.harness.data.wordproblems import generate, to_records
 
     chunk = 10_000  # one parquet row group per chunk (the reader holds a row group at a time)
     records = to_records(generate("train", chunk, seed=0))
@@ -100,8 +100,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192, help="the local BPE's vocabulary")
     args = parser.parse_args()
 
-    from blockgen.harness.tokenizer import train_bpe
-    from blockgen.harness.wordproblems import generate
+    from blockgen.harness.checkpoints.tokenizer import train_bpe
+    from blockgen.harness.data.wordproblems import generate
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

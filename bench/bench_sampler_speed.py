@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from blockgen.harness.demo import DEMO_MAX_GEN_TOKS, DIFFUSION_VARIANTS
-from blockgen.harness.grids import sampler_label
+from blockgen.harness.evaluation.grids import sampler_label
 from blockgen.models.sampling import SamplerConfig
 
 
@@ -34,8 +34,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from blockgen.harness.leaderboard import rows_from_results
-    from blockgen.harness.wordproblem_eval import evaluate_embedded
+    from blockgen.harness.reports.leaderboard import rows_from_results
+    from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded
 
     samplers = [SamplerConfig("ar_greedy")] + [
         SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, temperature=args.temperature)

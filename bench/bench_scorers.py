@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from blockgen.harness.data import DataConfig, document_split
-from blockgen.harness.scorers import ScorerConfig, TransformersScorer, VLLMScorer, gen_ppl, score_texts
-from blockgen.harness.train_scorer import ScorerTrainConfig, train_scorer
+from blockgen.harness.data.sources import DataConfig, document_split
+from blockgen.harness.evaluation.scorers import ScorerConfig, TransformersScorer, VLLMScorer, gen_ppl, score_texts
+from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 from blockgen.tasks.owt import reference_passages
 
 

@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
-from blockgen.harness.checkpoint import load_checkpoint
-from blockgen.harness.data import encode_problems
-from blockgen.harness.tokenizer import special_tokens
-from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY, generate, to_records
+from blockgen.harness.checkpoints.checkpoint import load_checkpoint
+from blockgen.harness.data.sources import encode_problems
+from blockgen.harness.checkpoints.tokenizer import special_tokens
+from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY, generate, to_records
 
 
 def main() -> None:

@@ -21,7 +21,7 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/sample.py, sweep.py, outcomes.py, regression.py, released.py, scorers.py,
+and `run(args)` (harness/evaluation/sample.py, sweep.py, outcomes.py, regression.py, released.py, scorers.py,
 sampler_grid.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and the modules
 above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
@@ -36,18 +36,20 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 
-from blockgen.harness import leaderboard, outcomes, regression, released, sample, sampler_grid, scorers, sweep
-from blockgen.harness.compare import CompareError, compare, format_comparison
-from blockgen.harness.data import LOCAL_TOKENIZER
+from blockgen.harness.reports import leaderboard, outcomes, regression
+from blockgen.harness.checkpoints import released
+from blockgen.harness.evaluation import sample, sampler_grid, scorers, sweep
+from blockgen.harness.reports.compare import CompareError, compare, format_comparison
+from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
 from blockgen.harness.gpu_check import GpuCheckConfig
-from blockgen.harness.leaderboard import LeaderboardError
-from blockgen.harness.page import build_page
-from blockgen.harness.plots import plot_all
-from blockgen.harness.presets import DEMO_PRESETS, PRESETS, preset, preset_table
-from blockgen.harness.train import TrainConfig
-from blockgen.harness.train_scorer import ScorerTrainConfig
-from blockgen.harness.wordproblems import DIFFICULTIES
+from blockgen.harness.reports.leaderboard import LeaderboardError
+from blockgen.harness.reports.page import build_page
+from blockgen.harness.reports.plots import plot_all
+from blockgen.harness.training.presets import DEMO_PRESETS, PRESETS, preset, preset_table
+from blockgen.harness.training.train import TrainConfig
+from blockgen.harness.training.train_scorer import ScorerTrainConfig
+from blockgen.harness.data.wordproblems import DIFFICULTIES
 
 
 def _is_optional(tp) -> tuple[bool, Any]:
@@ -150,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     regression.build_parser(_mounted(sub, "regression", "CI regression of a pipeline's leaderboard: check against the "
                                      "reference's tolerances, or rewrite the reference", regression.__doc__))
     scorers.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
-                                  "owt_genppl's scorer (harness/scorers.py)."))
+                                  "owt_genppl's scorer (harness/evaluation/scorers.py)."))
     sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
                                        sampler_grid.__doc__))
     return parser
@@ -263,9 +265,9 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from blockgen.harness.checkpoint import CheckpointError
-    from blockgen.harness.hub import HubUnavailableError
-    from blockgen.harness.train import TrainingStopped, train
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError
+    from blockgen.harness.checkpoints.hub import HubUnavailableError
+    from blockgen.harness.training.train import TrainingStopped, train
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
         print(f"checkpoint: {train(config_from_args(args))}")
@@ -278,7 +280,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_cost(args: argparse.Namespace) -> int:
-    from blockgen.harness.train_cost import report
+    from blockgen.harness.costs.train_cost import report
 
     flags = {k: v for k, v in vars(args).items() if k not in ("presets", "gpus", "runs", "rates")}
     try:
@@ -291,7 +293,7 @@ def _train_cost(args: argparse.Namespace) -> int:
 
 
 def _train_scorer(args: argparse.Namespace) -> int:
-    from blockgen.harness.train_scorer import train_scorer
+    from blockgen.harness.training.train_scorer import train_scorer
 
     given = {k: v for k, v in vars(args).items() if k != "subcommand"}
     print(f"scorer: {train_scorer(from_args(ScorerTrainConfig(), given))}")
@@ -299,7 +301,7 @@ def _train_scorer(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from blockgen.harness.prepare import prepare_data
+    from blockgen.harness.data.prepare import prepare_data
 
     config = config_from_args(args)
     print(f"prepared: {prepare_data(config.data, config.seq_len)}")
@@ -307,7 +309,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _hub_check(args: argparse.Namespace) -> int:
-    from blockgen.harness.hub import HubUnavailableError, check_files
+    from blockgen.harness.checkpoints.hub import HubUnavailableError, check_files
 
     datasets, tokenizers = [(name, None, None) for name in args.datasets], []
     for name in args.presets:

@@ -30,13 +30,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-# The demo's grid lives with the other grids in harness/grids.py (`blockgen sweep demo --dry-run`).
-from blockgen.harness.grids import DEMO_MAX_GEN_TOKS
-from blockgen.harness.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
-from blockgen.harness.grids import demo_samplers as samplers_for
-from blockgen.harness.grids import sampler_label
-from blockgen.harness.presets import DEMO_PRESETS, WARM_STARTS, preset
-from blockgen.harness.train import TrainConfig
+# The demo's grid lives with the other grids in harness/evaluation/grids.py (`blockgen sweep demo --dry-run`).
+from blockgen.harness.evaluation.grids import DEMO_MAX_GEN_TOKS
+from blockgen.harness.evaluation.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
+from blockgen.harness.evaluation.grids import demo_samplers as samplers_for
+from blockgen.harness.evaluation.grids import sampler_label
+from blockgen.harness.training.presets import DEMO_PRESETS, WARM_STARTS, preset
+from blockgen.harness.training.train import TrainConfig
 from blockgen.models.sampling import SamplerConfig
 
 
@@ -111,7 +111,7 @@ def _train_job(config: TrainConfig, threads: int) -> dict:
     """Train one model; `threads` > 1 only for a job that runs alone (nothing else can run yet)."""
     import torch
 
-    from blockgen.harness.train import train
+    from blockgen.harness.training.train import train
 
     start = time.perf_counter()
     torch.set_num_threads(threads)
@@ -124,7 +124,7 @@ def _train_job(config: TrainConfig, threads: int) -> dict:
 
 
 def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, difficulty: str, out: str) -> dict:
-    from blockgen.harness.wordproblem_eval import evaluate_embedded
+    from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded
 
     return evaluate_embedded(checkpoint, sampler, config.problems, max_gen_toks=DEMO_MAX_GEN_TOKS,
                              batch_size=config.batch_size, difficulty=difficulty, results_path=out)
@@ -134,10 +134,10 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
     """Validation NLL per token under each trained block size alone and under the mixture's bounds."""
     import torch
 
-    from blockgen.harness.checkpoint import load_checkpoint
-    from blockgen.harness.data import encode_problems
-    from blockgen.harness.tokenizer import special_tokens
-    from blockgen.harness.wordproblems import generate, to_records
+    from blockgen.harness.checkpoints.checkpoint import load_checkpoint
+    from blockgen.harness.data.sources import encode_problems
+    from blockgen.harness.checkpoints.tokenizer import special_tokens
+    from blockgen.harness.data.wordproblems import generate, to_records
     from blockgen.models.objectives import jensen_bound, lse_bound
 
     model, tokenizer = load_checkpoint(checkpoint)
@@ -165,7 +165,7 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
 
 
 def _provenance() -> dict:
-    from blockgen.harness.leaderboard import provenance
+    from blockgen.harness.reports.leaderboard import provenance
 
     return provenance(" ".join(["blockgen", *sys.argv[1:]]))
 
@@ -173,7 +173,7 @@ def _provenance() -> dict:
 def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
     """A results file from an earlier run that scored the checkpoint with this hash and kept its
     per-problem samples (older runs did not: they are rerun, so comparisons can be paired)."""
-    from blockgen.harness.wordproblem_eval import samples_path
+    from blockgen.harness.evaluation.wordproblem_eval import samples_path
 
     if not samples_path(results_path).is_file():
         return False
@@ -190,7 +190,7 @@ def usable_cores() -> int:
 
 def run_demo(config: DemoConfig) -> dict:
     """Every seed's run in turn (each trains, evaluates and writes its leaderboard); with several
-    seeds, the findings across the runs (harness/findings.py) in out_dir/findings.json."""
+    seeds, the findings across the runs (harness/reports/findings.py) in out_dir/findings.json."""
     summaries = {}
     for i, seed in enumerate(config.seeds):
         if len(config.seeds) > 1:
@@ -198,15 +198,15 @@ def run_demo(config: DemoConfig) -> dict:
         summaries[seed] = _run_seed(config, seed)
     if len(config.seeds) == 1:
         return summaries[config.seeds[0]]
-    from blockgen.harness.findings import write_findings
+    from blockgen.harness.reports.findings import write_findings
 
     write_findings(config, [seed_dir(config.out_dir, seed) for seed in config.seeds])
     return {"seeds": summaries}
 
 
 def _run_seed(config: DemoConfig, seed: int) -> dict:
-    from blockgen.harness.data import get_tokenizer
-    from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
+    from blockgen.harness.data.sources import get_tokenizer
+    from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
 
     out = seed_dir(config.out_dir, seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +263,7 @@ def _training_progress(models: dict[str, TrainConfig], training: list[str]) -> s
 
 def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], children: dict[str, list[str]],
               first: list[str], jobs: int, difficulty: str) -> dict:
-    from blockgen.harness.checkpoint import checkpoint_hash
+    from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
 
     start = time.perf_counter()
     summary: dict[str, dict] = {name: {} for name in models}
@@ -319,7 +319,7 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
 
 
 def _leaderboard(config: DemoConfig, out: Path, models: dict[str, TrainConfig], summary: dict, results_files: dict, difficulty: str):
-    from blockgen.harness.leaderboard import Leaderboard, Row, rows_from_results, write
+    from blockgen.harness.reports.leaderboard import Leaderboard, Row, rows_from_results, write
 
     rows: list[Row] = []
     for name, paths in results_files.items():
@@ -345,7 +345,7 @@ def _leaderboard(config: DemoConfig, out: Path, models: dict[str, TrainConfig], 
 
 
 def _finish(board, out: Path) -> None:
-    from blockgen.harness.page import build_page
+    from blockgen.harness.reports.page import build_page
 
     print_table(board.rows)
     page = build_page(board.rows, out / "page", sources=[str(out / "leaderboard.json")])

@@ -21,7 +21,7 @@ Stages (each one's failure is recorded in the summary and the others still run):
   step in training, so both graphs are compiled (warm-up) and timed. One model and one compiled network
   per prior serve all its micro-batches (dynamo is reset between priors only); `warmup_seconds` per prior
   holds its compilation. Per run: s/step per block size and their mixture-weighted mean, tokens/s, MFU,
-  peak memory beside the start-up estimate of harness/train.py. Random tokens: the cost of a step does
+  peak memory beside the start-up estimate of harness/training/train.py. Random tokens: the cost of a step does
   not depend on the text, and the check needs neither the hub nor a prepared corpus. GPU: the paper's
   model (12 x 768) at L = 1,024 with GPT-2's vocabulary size, micro-batch 32 (the OWT presets'); CPU: the
   micro model. Then, per run, the likelihood pass the sweep's owt_ppl makes (one NELBO draw at block size
@@ -57,7 +57,7 @@ share and the seconds it used), and `summary_table` (stage, status ok / failed /
 seconds, share, key figure) goes to stderr; `ok` is true only when every stage that applies passed
 (`failed` names the others; the command prints each with its fix and exits 1). The rates it measured
 (generate's seconds per call, train's seconds per likelihood pass and tokens/s, each with the precision it
-ran in) go to OUT_DIR/rates.json (harness/rates.py), which `blockgen sweep GRID --dry-run` and `blockgen
+ran in) go to OUT_DIR/rates.json (harness/costs/rates.py), which `blockgen sweep GRID --dry-run` and `blockgen
 train-cost` price full-scale runs with when it was measured at the paper's size.
 """
 
@@ -82,8 +82,8 @@ from typing import Callable, Literal
 
 import torch
 
-from blockgen.harness.grids import GRIDS
-from blockgen.harness.rates import (
+from blockgen.harness.evaluation.grids import GRIDS
+from blockgen.harness.costs.rates import (
     RATES_FILE,
     RATES_VERSION,
     CallRate,
@@ -102,7 +102,7 @@ STAGES = ("train", "ddp", "generate", "lm_eval", "scorers")  # the order they ru
 # start-up of about a minute (not measured there): training compiles two graphs per prior.
 STAGE_SHARES = {"train": 0.40, "ddp": 0.08, "generate": 0.17, "lm_eval": 0.13, "scorers": 0.22}
 DEFAULT_BUDGET_S = 480.0  # `make gpu-check` in under 8 minutes
-# The OWT presets' mixture (harness/presets.py: VARIANTS["masked-mix"]): what full-scale training runs.
+# The OWT presets' mixture (harness/training/presets.py: VARIANTS["masked-mix"]): what full-scale training runs.
 TRAIN_BLOCK_SIZES, TRAIN_BLOCK_WEIGHTS = (1, 16), (0.05, 0.95)
 DDP_PRESET = "ci"  # the small preset the ddp stage trains over 2 processes (and lm_eval evaluates)
 
@@ -236,7 +236,7 @@ class _PriorTrainer:
     shared by all its micro-batch runs: compiled once per prior, a new micro-batch only adds its shapes."""
 
     def __init__(self, config: GpuCheckConfig, device: str, scale: Scale, prior: str) -> None:
-        from blockgen.harness.train import EMA, TrainConfig, training_net
+        from blockgen.harness.training.train import EMA, TrainConfig, training_net
         from blockgen.models.model import BlockGen
 
         self.device, self.scale, self.seed = device, scale, config.seed
@@ -254,7 +254,7 @@ class _PriorTrainer:
     def run(self, micro: int, peak: float | None) -> dict:
         """Warm-up steps (each block size's graph compiled for this shape), then timed steps, the block size
         alternating; then the likelihood passes on the same batch. Its tensors are freed when it returns."""
-        from blockgen.harness.train import memory_estimate, training_flops_per_step
+        from blockgen.harness.training.train import memory_estimate, training_flops_per_step
         from blockgen.models.objectives import stratified_times
 
         device, scale, model = self.device, self.scale, self.model
@@ -321,7 +321,7 @@ def likelihood_dtype(device: str, scale: Scale) -> str:
 @contextlib.contextmanager
 def _sweep_tf32(device: str):
     """TF32 off, as the sweep runs by default (training turned it on for the whole process), restored after."""
-    from blockgen.harness.precision import enable_tf32
+    from blockgen.harness.runtime.precision import enable_tf32
 
     previous = enable_tf32(False) if device.startswith("cuda") else None
     try:
@@ -334,7 +334,7 @@ def _sweep_tf32(device: str):
 def _likelihood_pass_seconds(model, x: torch.Tensor, loss_mask: torch.Tensor, device: str, dtype: str, scale: Scale) -> float:
     """Median seconds of one batched likelihood pass as the sweep's owt_ppl makes them (`score_windows`:
     one NELBO draw at block size 16 over [x0 ; xt], eager, no gradients, per-row streams), in `dtype`."""
-    from blockgen.harness.precision import compute_precision
+    from blockgen.harness.runtime.precision import compute_precision
     from blockgen.models.diffusion import RowStreams
 
     seconds = []
@@ -351,7 +351,7 @@ def _likelihood_pass_seconds(model, x: torch.Tensor, loss_mask: torch.Tensor, de
 
 
 def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.train import enable_tf32, peak_flops
+    from blockgen.harness.training.train import enable_tf32, peak_flops
 
     if device.startswith("cuda"):
         enable_tf32()
@@ -428,7 +428,7 @@ def _row_streams_match(device: str) -> bool:
 
 
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.train import TrainConfig
+    from blockgen.harness.training.train import TrainConfig
     from blockgen.models.model import BlockGen
     from blockgen.models.sampling import SamplerConfig
 
@@ -606,8 +606,8 @@ def stage_lm_eval(config: GpuCheckConfig, device: str, scale: Scale, out: Path, 
 
 
 def stage_scorers(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.data import DataConfig, document_split
-    from blockgen.harness.scorers import (
+    from blockgen.harness.data.sources import DataConfig, document_split
+    from blockgen.harness.evaluation.scorers import (
         CUDA_VLLM_FIX,
         ScorerConfig,
         ScorerError,
@@ -620,7 +620,7 @@ def stage_scorers(config: GpuCheckConfig, device: str, scale: Scale, out: Path, 
         vllm_build,
         vllm_python,
     )
-    from blockgen.harness.train_scorer import ScorerTrainConfig, train_scorer
+    from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 
     python = vllm_python()
     try:
@@ -776,7 +776,7 @@ def summary_table(summary: dict) -> str:
 
 
 def measured_rates(summary: dict, out: Path) -> Rates | None:
-    """The rates file of this check (harness/rates.py): the generate stage's seconds per sampler call per
+    """The rates file of this check (harness/costs/rates.py): the generate stage's seconds per sampler call per
     sampler, block size and batch, the train stage's seconds per likelihood pass per prior and micro-batch,
     and its training tokens/s per prior and micro-batch, each in the precision it ran; None when neither
     stage measured anything."""

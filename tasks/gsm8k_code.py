@@ -8,7 +8,7 @@ the sandbox (`blockgen.tasks.sandbox`) and its return value is compared with the
   local JSON/JSONL file of the same schema (``question``, ``answer`` ending in ``#### N``) given as
   ``--metadata '{"gsm8k_path": "test.jsonl"}'``.
 - ``gsm8k_code_embedded``: the offline twin, on the embedded generator's held-out test split
-  (`blockgen.harness.wordproblems`, seed 0): the first ``embedded_problems`` (500) problems it
+  (`blockgen.harness.data.wordproblems`, seed 0): the first ``embedded_problems`` (500) problems it
   draws, whatever the tokenizer, so every checkpoint sees the same problems. About 30 % have a
   structure never used in training; ``exact_match_heldout`` and ``exact_match_in_distribution``
   score the two parts apart. The generator's level is ``--metadata '{"difficulty": "hard"}'``
@@ -44,8 +44,8 @@ from lm_eval.api.filter import Filter
 from lm_eval.api.samplers import ContextSampler
 from tqdm import tqdm
 
-from blockgen.harness.distributed import ranks_from_env
-from blockgen.harness.wordproblems import DEFAULT_DIFFICULTY
+from blockgen.harness.runtime.distributed import ranks_from_env
+from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
 from blockgen.tasks.model_info import checkpoint_tokenizer, model_max_length, model_path
 from blockgen.tasks.owt import YamlClassTask
 from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, run_many
@@ -68,7 +68,7 @@ def prompt_contexts(questions: list[str], tokenizer, special) -> list[str]:
     The separator's text is appended to each question; a tokenizer that merged it with the
     question's last characters would change the ids, so every context is checked.
     """
-    from blockgen.harness.data import encode_prompt
+    from blockgen.harness.data.sources import encode_prompt
 
     sep = tokenizer.decode(list(special.sep), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     contexts = [q + sep for q in questions]
@@ -105,7 +105,7 @@ def _dataset(rows: list[dict], metadata: dict[str, Any]):
     model's length (``max_length``), from which each request's generation budget follows."""
     from datasets import Dataset, DatasetDict
 
-    from blockgen.harness.data import encode_prompt
+    from blockgen.harness.data.sources import encode_prompt
 
     tokenizer, special = _tokenizer_from(metadata)
     contexts = prompt_contexts([r["question"] for r in rows], tokenizer, special)
@@ -122,7 +122,7 @@ def load_gsm8k(gsm8k_path: str | None = None, **metadata):
     """GSM8K's test split from the hub, or from a local file with its schema (`gsm8k_path`)."""
     from datasets import load_dataset
 
-    from blockgen.harness.hub import HubUnavailableError, hub_call
+    from blockgen.harness.checkpoints.hub import HubUnavailableError, hub_call
 
     if gsm8k_path:
         if not os.path.isfile(gsm8k_path):
@@ -148,7 +148,7 @@ def load_gsm8k(gsm8k_path: str | None = None, **metadata):
 def generated_test_problems(n: int, difficulty: str = DEFAULT_DIFFICULTY) -> list[dict]:
     """The first n generated test problems (seed 0) of a difficulty level: question, answer
     ('#### N'), is_heldout, structure."""
-    from blockgen.harness.wordproblems import generate, is_heldout
+    from blockgen.harness.data.wordproblems import generate, is_heldout
 
     return [
         {"question": p.question, "answer": f"#### {p.answer}", "is_heldout": is_heldout(p), "structure": p.structure}

@@ -20,12 +20,12 @@ LENGTH_ARGS = ("max_length", "max_model_len")
 
 def model_path(metadata: dict[str, Any]) -> str | None:
     """``pretrained`` as the model loads it: a released checkpoint (``hf:jdeschena/blockgen/...`` or its
-    folder, `blockgen.harness.released`) is converted (once, cached) into a checkpoint directory, as
+    folder, `blockgen.harness.checkpoints.released`) is converted (once, cached) into a checkpoint directory, as
     the blockgen adapter does; anything else is returned as given. None when no model is named."""
     pretrained = metadata.get("pretrained")
     if not pretrained:
         return None
-    from blockgen.harness.released import is_release_spec, resolve_model_args
+    from blockgen.harness.checkpoints.released import is_release_spec, resolve_model_args
 
     return str(resolve_model_args(metadata)) if is_release_spec(str(pretrained)) else str(pretrained)
 
@@ -33,8 +33,8 @@ def model_path(metadata: dict[str, Any]) -> str | None:
 def checkpoint_tokenizer(pretrained: str):
     """(tokenizer, SpecialTokens) of a checkpoint: the special ids recorded at training time, else
     the tokenizer's own (a Hugging Face model directory or name, as lm-eval's hf backend takes)."""
-    from blockgen.harness.checkpoint import CheckpointError, load_checkpoint_tokenizer, read_config
-    from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError, load_checkpoint_tokenizer, read_config
+    from blockgen.harness.checkpoints.tokenizer import SpecialTokens, load_tokenizer, special_tokens
 
     try:
         config = read_config(pretrained)
@@ -60,7 +60,7 @@ def model_max_length(metadata: dict[str, Any], tokenizer=None) -> int | None:
     pretrained = model_path(metadata)
     if not pretrained:
         return None
-    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError, read_config
 
     try:
         return read_config(str(pretrained)).seq_len
@@ -69,7 +69,7 @@ def model_max_length(metadata: dict[str, Any], tokenizer=None) -> int | None:
     from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
     from transformers import AutoConfig
 
-    from blockgen.harness.hub import hub_call
+    from blockgen.harness.checkpoints.hub import hub_call
 
     config = hub_call(lambda: AutoConfig.from_pretrained(str(pretrained)), f"model config {pretrained}")
     return resolve_max_length(config, tokenizer, default=DEFAULT_MAX_LENGTH)

@@ -16,11 +16,11 @@ Needs ``--model blockgen`` (the checkpoint directory comes from ``pretrained=``)
 (`OwtGenPPLTask`: a budget that fits the model, sampling by default), any sampler, NFE and
 temperature (``--model_args`` or ``--gen_kwargs``), then, over all samples at once (a task
 filter, so each torchrun rank scores its own share), under a scorer language model
-(`blockgen.harness.scorers`): ``gen_ppl`` (token-weighted; how tokens are counted is documented
+(`blockgen.harness.evaluation.scorers`): ``gen_ppl`` (token-weighted; how tokens are counted is documented
 there), ``unigram_entropy`` (mean per sample, nats), and ``mauve`` against as many held-out reference
 passages, with features from the scorer model (its last hidden state, as MAUVE's own featurizer).
 
-MAUVE is scored once per input (`blockgen.harness.mauve_cache`): the reference passages are built
+MAUVE is scored once per input (`blockgen.harness.evaluation.mauve_cache`): the reference passages are built
 once per reference set (source and its files, ``num_samples``, ``reference_chars``) and their features
 once per scorer, both cached on disk and, within a process (a sweep), in memory; each sample's
 features go to a side file (``samples/<key>.npy`` in the cache folder), and a document's per-sample
@@ -47,7 +47,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.task import ConfigurableTask
 
 if TYPE_CHECKING:
-    from blockgen.harness.mauve_cache import MauvePair, ReferenceSet
+    from blockgen.harness.evaluation.mauve_cache import MauvePair, ReferenceSet
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _dataset(rows: list[dict]):
 
 
 def _data_config(source: str, data_path: str | None):
-    from blockgen.harness.data import DataConfig
+    from blockgen.harness.data.sources import DataConfig
 
     return DataConfig(source=source, path=data_path)
 
@@ -72,9 +72,9 @@ def _data_config(source: str, data_path: str | None):
 
 def ppl_chunks(pretrained: str | None = None, source: str = "owt", data_path: str | None = None, **_metadata):
     """The checkpoint's held-out chunks: one document {"chunk": i, "text": decoded, "tokens": [...]} per chunk."""
-    from blockgen.harness.checkpoint import CheckpointError, read_config
-    from blockgen.harness.data import chunk_documents, document_split
-    from blockgen.harness.tokenizer import SpecialTokens, load_tokenizer, special_tokens
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError, read_config
+    from blockgen.harness.data.sources import chunk_documents, document_split
+    from blockgen.harness.checkpoints.tokenizer import SpecialTokens, load_tokenizer, special_tokens
 
     need = ("owt_ppl scores a BlockGen checkpoint on its own token chunks with both bounds: "
             "run it with --model blockgen --model_args pretrained=<checkpoint directory>")
@@ -151,8 +151,8 @@ PASSAGE_RULE = 1  # bump when `reference_passages` cuts passages another way: ca
 def held_out_passages(references: ReferenceSet) -> list[str]:
     """The first `num_samples` passages of a reference set's held-out documents (`ReferenceSet`); walks
     every held-out document: 25.6 s per process at OWT's size, hence the cache in `genppl_references`."""
-    from blockgen.harness.data import document_split
-    from blockgen.harness.hub import HubUnavailableError
+    from blockgen.harness.data.sources import document_split
+    from blockgen.harness.checkpoints.hub import HubUnavailableError
 
     try:
         held_out = document_split(_data_config(references.source, references.data_path))[1]
@@ -167,7 +167,7 @@ def genppl_references(source: str = "owt", data_path: str | None = None, num_sam
     """One document per sample, each carrying one held-out reference passage (for MAUVE). The passages
     are built once per reference set (`harness.mauve_cache.ReferenceSet`) and cached: in memory for the
     process, on disk under ``mauve_cache`` (else $BLOCKGEN_MAUVE_CACHE, else ~/.cache/blockgen/mauve)."""
-    from blockgen.harness.mauve_cache import REFERENCES, ReferenceSet, cache_dir, cached_texts
+    from blockgen.harness.evaluation.mauve_cache import REFERENCES, ReferenceSet, cache_dir, cached_texts
 
     references = ReferenceSet.of(source, data_path, num_samples, reference_chars, PASSAGE_RULE)
     passages = cached_texts(cache_dir(mauve_cache) / REFERENCES, references, lambda: held_out_passages(references))
@@ -185,7 +185,7 @@ def sample_length(metadata: dict) -> str:
     budget, EOS kept as a token: a document boundary inside a sample, as in training's packed rows), or
     'eos', stopped at its first EOS. Default: 'fixed' for a BlockGen checkpoint; 'eos' for other model
     types, because lm-eval's hf backend always stops at EOS (it adds EOS to the stop strings)."""
-    from blockgen.harness.checkpoint import CheckpointError, read_config
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError, read_config
     from blockgen.tasks.model_info import model_path
 
     path = model_path(metadata)
@@ -213,7 +213,7 @@ class OwtGenPPLTask(YamlClassTask):
 
     def __init__(self, config: dict | None = None, **kwargs) -> None:
         super().__init__(config=config, **kwargs)
-        from blockgen.harness.scorers import ScorerConfig, check_before_start
+        from blockgen.harness.evaluation.scorers import ScorerConfig, check_before_start
 
         # Fail before any sample is drawn: a bad setting, a missing scorer model, no vLLM, a busy port.
         metadata = self.config.metadata or {}
@@ -251,7 +251,7 @@ class OwtGenPPLTask(YamlClassTask):
 
     def apply_filters(self):
         super().apply_filters()
-        from blockgen.harness.mauve_cache import cache_dir
+        from blockgen.harness.evaluation.mauve_cache import cache_dir
 
         config = self.scorer_config
         cache = cache_dir((self.config.metadata or {}).get("mauve_cache"))
@@ -275,8 +275,8 @@ def score_samples(samples: list[str], references: list[str], config, cache: Path
     Features come from the scorer model in process (vLLM serves no hidden states); it is freed before a
     vLLM server starts, except inside a sweep (`blockgen sweep`), whose settings share one copy
     (`scorers.borrow_featurizer`) and one server (``scorer_url``)."""
-    from blockgen.harness.mauve_cache import REFERENCES, SAMPLES, FeatureRow, cache_dir, features_file
-    from blockgen.harness.scorers import borrow_featurizer, open_scorer, score_texts
+    from blockgen.harness.evaluation.mauve_cache import REFERENCES, SAMPLES, FeatureRow, cache_dir, features_file
+    from blockgen.harness.evaluation.scorers import borrow_featurizer, open_scorer, score_texts
 
     cache = cache or cache_dir()
     with borrow_featurizer(config) as featurizer:
@@ -296,7 +296,7 @@ def score_samples(samples: list[str], references: list[str], config, cache: Path
 def genppl_results(doc: dict, results: list) -> dict:
     """Gen PPL terms, entropy, and for MAUVE only where the features are (a `MauvePair` of file and row:
     the logged samples and the items gathered over ranks carry no vectors)."""
-    from blockgen.harness.mauve_cache import MauvePair
+    from blockgen.harness.evaluation.mauve_cache import MauvePair
 
     record, = results
     return {"gen_ppl": (record["logprob"], record["tokens"]), "unigram_entropy": record["entropy"],
@@ -306,6 +306,6 @@ def genppl_results(doc: dict, results: list) -> dict:
 def mauve_score(items: list[MauvePair]) -> float:
     """MAUVE (mauve-text) of the samples against the reference passages, on the scorer's features,
     read from the files the items name (`harness.mauve_cache.mauve_of`)."""
-    from blockgen.harness.mauve_cache import mauve_of
+    from blockgen.harness.evaluation.mauve_cache import mauve_of
 
     return mauve_of(items)

@@ -9,7 +9,7 @@ _mauve_cache: str | None = None
 
 
 def pytest_configure(config):
-    """MAUVE's cache (harness/mauve_cache.py) of the tests and of the commands they start: a folder of
+    """MAUVE's cache (harness/evaluation/mauve_cache.py) of the tests and of the commands they start: a folder of
     this session, not ~/.cache. Set before collection, so the modules' ENV copies carry it."""
     global _mauve_cache
     _mauve_cache = tempfile.mkdtemp(prefix="blockgen-test-mauve-")

@@ -135,7 +135,7 @@ def test_sample_on_a_device_it_cannot_use_gives_the_device_policys_message(tmp_p
     one line and exit 2, not torch's AssertionError; checked before the checkpoint is read."""
     import torch
 
-    from blockgen.harness.distributed import resolve_device
+    from blockgen.harness.runtime.distributed import resolve_device
 
     for device in ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"]):
         with pytest.raises(ValueError) as policy:
@@ -148,7 +148,7 @@ def test_sample_on_a_device_it_cannot_use_gives_the_device_policys_message(tmp_p
 def test_presets_is_a_table_and_json_on_request():
     import json
 
-    from blockgen.harness.presets import PRESETS
+    from blockgen.harness.training.presets import PRESETS
 
     table = subprocess.run([str(BLOCKGEN), "presets"], capture_output=True, text=True, timeout=HANG_S)
     assert table.returncode == 0, table.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Paired comparisons (`blockgen.harness.compare`): the exact McNemar test against a hand computation,
+"""Paired comparisons (`blockgen.harness.reports.compare`): the exact McNemar test against a hand computation,
 Newcombe's paired interval against a paired bootstrap of the same outcomes and narrower than the
 unpaired one, Gen PPL's paired bootstrap, owt_ppl's paired t-interval of NLL per token against a hand
 computation and a bootstrap, and the command on lm-eval-format logs."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockgen.harness.compare import (
+from blockgen.harness.reports.compare import (
     CompareError,
     compare,
     compare_accuracy,

@@ -11,9 +11,9 @@ from typing import get_args, get_type_hints
 import pytest
 import torch
 
-from blockgen.harness.checkpoint import CONFIG, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
-from blockgen.harness.presets import PRESETS
-from blockgen.harness.train import TrainConfig
+from blockgen.harness.checkpoints.checkpoint import CONFIG, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
+from blockgen.harness.training.presets import PRESETS
+from blockgen.harness.training.train import TrainConfig
 from blockgen.models.backbone import SIZES, ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blockgen.harness import wordproblems
-from blockgen.harness.checkpoint import TRAINING_STATE
+from blockgen.harness.data import wordproblems
+from blockgen.harness.checkpoints.checkpoint import TRAINING_STATE
 from blockgen.harness.cli import build_parser, config_from_args, main
-from blockgen.harness.data import RENAMED, SOURCES, DataConfig, current_names
-from blockgen.harness.prepare import META, prepared_dir
-from blockgen.harness.presets import preset
-from blockgen.harness.train import train
+from blockgen.harness.data.sources import RENAMED, SOURCES, DataConfig, current_names
+from blockgen.harness.data.prepare import META, prepared_dir
+from blockgen.harness.training.presets import preset
+from blockgen.harness.training.train import train
 
 
 def test_one_alias_table_maps_the_old_spelling():

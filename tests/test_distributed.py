@@ -1,4 +1,4 @@
-"""One distributed setup (harness/distributed.py): the device policy, the ranks torchrun puts in the
+"""One distributed setup (harness/runtime/distributed.py): the device policy, the ranks torchrun puts in the
 environment, joining the process group, and that training and the lm-eval adapter both go through it.
 
 No process group is started here (the 2-rank gloo runs are in test_train, test_lm_eval, test_sweep,
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness import distributed, lm_eval_adapter, train
-from blockgen.harness.distributed import Distributed, Ranks, ranks_from_env, resolve_device, setup_distributed
+from blockgen.harness.runtime import distributed
+from blockgen.harness.evaluation import lm_eval_adapter
+from blockgen.harness.training import train
+from blockgen.harness.runtime.distributed import Distributed, Ranks, ranks_from_env, resolve_device, setup_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 STORED_CHECKPOINT = REPO / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"

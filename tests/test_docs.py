@@ -13,6 +13,7 @@ docs/training.md; and the README keeps no dated figures (docs/results.md does).
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -157,29 +158,35 @@ def test_no_machine_paths(page: Path):
 
 def test_every_module_has_a_line_in_the_layout_page():
     layout = (REPO / "docs" / "layout.md").read_text()
-    modules = [p for folder in ("models", "harness", "tasks") for p in sorted((REPO / folder).glob("*.py"))
+    modules = [p for folder in ("models", "harness", "tasks") for p in sorted((REPO / folder).rglob("*.py"))
                if p.name != "__init__.py"]
-    missing = [str(p.relative_to(REPO)) for p in modules if f"`{p.relative_to(REPO)}`" not in layout]
+    wings = sorted({p.parent for p in (REPO / "harness").rglob("*.py")} - {REPO / "harness"})
+    assert len(wings) >= 5, wings  # not vacuous: the wings are found
+    named = [f"`{p.relative_to(REPO)}`" for p in modules] + [f"`{w.relative_to(REPO)}/`" for w in wings]
+    missing = [n for n in named if n not in layout]
     assert not missing, f"docs/layout.md has no line for {missing}"
+    for wing in wings:  # each wing says in one paragraph what it holds
+        doc = ast.get_docstring(ast.parse((wing / "__init__.py").read_text()))
+        assert doc and "\n\n" not in doc.strip(), f"{wing.relative_to(REPO)}/__init__.py: one paragraph"
 
 
 def test_the_grid_table_lists_every_grid_with_its_settings():
     """docs/pipeline.md's table of grids: one row per grid of the registry, each with its number of
     settings (what `blockgen sweep GRID --dry-run` lists); a count of grids in any page is theirs."""
-    from blockgen.harness.grids import GRIDS
-    from blockgen.harness.sweep import settings
+    from blockgen.harness.evaluation.grids import GRIDS
+    from blockgen.harness.evaluation.sweep import settings
 
     rows = re.findall(r"^\| `([\w-]+)` \|.*\| (\d+) \|$", (REPO / "docs" / "pipeline.md").read_text(), re.M)
     assert {name: int(n) for name, n in rows} == {name: len(settings(g, "/nonexistent")) for name, g in GRIDS.items()}
     for page in PAGES:
         for n in re.findall(r"\b(\d+) (?:evaluation )?grids\b", page.read_text()):
-            assert int(n) == len(GRIDS), f"{_page_id(page)} speaks of {n} grids; harness/grids.py has {len(GRIDS)}"
+            assert int(n) == len(GRIDS), f"{_page_id(page)} speaks of {n} grids; harness/evaluation/grids.py has {len(GRIDS)}"
 
 
 def test_the_training_page_names_every_preset():
     """docs/training.md's tables name every variant of the paper's presets (`<benchmark>-<variant>`;
     `masked-4/8/16` names three) and every other preset."""
-    from blockgen.harness.presets import BENCHMARKS, PRESETS, VARIANTS
+    from blockgen.harness.training.presets import BENCHMARKS, PRESETS, VARIANTS
 
     named = set()
     for code in CODE_SPAN.findall((REPO / "docs" / "training.md").read_text()):
@@ -207,5 +214,5 @@ def test_the_checks_catch_what_they_claim_to(tmp_path: Path):
     assert make_targets_named("we make sure") == set()
     text = "`blockgen train --preset x`, `torchrun -m blockgen.harness.cli sweep owt`, `blockgen leaderboard compare A B`"
     assert blockgen_commands_named(text) == {("train",), ("sweep", "owt"), ("leaderboard", "compare")}
-    assert blockgen_commands_named("`--model blockgen --tasks x`, `blockgen.harness.train`, `hf:jdeschena/blockgen/ar`") == set()
+    assert blockgen_commands_named("`--model blockgen --tasks x`, `blockgen.harness.training.train`, `hf:jdeschena/blockgen/ar`") == set()
     assert "no-such-target" not in makefile_targets() and {"demo", "test", "help"} <= makefile_targets()

@@ -1,5 +1,5 @@
-"""Evaluation precision and cost: the adapter's `dtype` / `tf32` model arguments (harness/precision.py)
-and `blockgen sweep --dry-run`'s cost lines (harness/eval_cost.py, harness/sweep.py).
+"""Evaluation precision and cost: the adapter's `dtype` / `tf32` model arguments (harness/runtime/precision.py)
+and `blockgen sweep --dry-run`'s cost lines (harness/costs/eval_cost.py, harness/evaluation/sweep.py).
 
 - `dtype` takes lm-eval's names and refuses others naming the choices; the default (float32) gives
   bit for bit what the model gives with no precision context at all (the code before the option),
@@ -25,9 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness import cli, eval_cost, sweep
-from blockgen.harness.grids import GRIDS
-from blockgen.harness.precision import compute_precision
+from blockgen.harness import cli
+from blockgen.harness.costs import eval_cost
+from blockgen.harness.evaluation import sweep
+from blockgen.harness.evaluation.grids import GRIDS
+from blockgen.harness.runtime.precision import compute_precision
 
 SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
 
@@ -35,8 +37,8 @@ SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A micro mixture {1, 8} with random weights and a small BPE (numbers, not quality)."""
-    from blockgen.harness.checkpoint import save_checkpoint
-    from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.harness.checkpoints.checkpoint import save_checkpoint
+    from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
     from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
     from blockgen.tasks.blockgen_toy import training_text
@@ -55,7 +57,7 @@ def ckpt(tmp_path_factory) -> Path:
 def _lm(path: Path, **kwargs):
     from lm_eval.api.registry import get_model
 
-    import blockgen.harness.lm_eval_adapter  # noqa: F401  registers the model type
+    import blockgen.harness.evaluation.lm_eval_adapter  # noqa: F401  registers the model type
 
     return get_model("blockgen")(pretrained=str(path), device="cpu", batch_size=4, seed=3, **kwargs)
 
@@ -73,7 +75,7 @@ GEN = [("the cat", {"until": [], "max_gen_toks": 16}), ("one plus", {"until": []
 def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
     from lm_eval.api.registry import get_model
 
-    from blockgen.harness.lm_eval_adapter import BlockGenLMArgs  # also registers the model type
+    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLMArgs  # also registers the model type
 
     assert BlockGenLMArgs.parse({"pretrained": "x"}).dtype == "float32"
     assert BlockGenLMArgs.parse({"pretrained": "x", "dtype": torch.bfloat16}).dtype == "bfloat16"
@@ -92,7 +94,7 @@ def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
 def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
     from dataclasses import asdict
 
-    from blockgen.harness.lm_eval_adapter import Window, derive_seed, score_windows
+    from blockgen.harness.evaluation.lm_eval_adapter import Window, derive_seed, score_windows
     from blockgen.models.sampling import SamplerConfig, generate
 
     default, explicit, auto = _lm(ckpt), _lm(ckpt, dtype="float32"), _lm(ckpt, dtype="auto")
@@ -206,8 +208,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
 
 
 def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores_the_whole_held_out_split(monkeypatch, tmp_path):
-    from blockgen.harness import rates
-    from blockgen.harness.released import OWT_PPL_SEQUENCES
+    from blockgen.harness.costs import rates
+    from blockgen.harness.costs.eval_cost import OWT_PPL_SEQUENCES
 
     monkeypatch.chdir(tmp_path)  # no runs/gpu-check/rates.json: the stored rates, whatever gpu-check wrote here
     g = GRIDS["owt"]
@@ -228,7 +230,7 @@ def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores
 
 
 def test_sweep_precision_reaches_every_setting_and_its_own_folders():
-    from blockgen.harness.sweep import SweepConfig
+    from blockgen.harness.evaluation.sweep import SweepConfig
 
     plain = sweep.settings(SweepConfig("gsm8k-embedded").resolved_grid())
     assert all("dtype" not in dict(s.extra) for s in plain)  # float32: settings (and rerun keys) as before
@@ -250,7 +252,7 @@ def test_sweep_precision_reaches_every_setting_and_its_own_folders():
 def test_full_scale_likelihoods_default_to_bf16_and_generation_stays_float32():
     """Full-scale grids score likelihoods under bf16 autocast unless --dtype says otherwise (measured:
     within 1e-4 relative); their sampling, and every offline/CI grid, stays float32."""
-    from blockgen.harness.sweep import SweepConfig
+    from blockgen.harness.evaluation.sweep import SweepConfig
 
     full = sweep.settings(SweepConfig("owt").resolved_grid())
     likelihood = [s for s in full if s.variant is None]

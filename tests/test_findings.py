@@ -1,4 +1,4 @@
-"""Findings across training runs (`harness/findings.py`): the pooled interval against a hand
+"""Findings across training runs (`harness/reports/findings.py`): the pooled interval against a hand
 computation, the rule (same sign in every run and the interval excludes 0), the floor that keeps
 runs agreeing by chance from making a tiny interval, the paper's claims mapped onto the demo's grid,
 and the table, JSON and plot `write_findings` leaves. `blockgen demo --seeds` end to end is in
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from scipy.stats import t as student_t
 
-from blockgen.harness.compare import mean_stderr
-from blockgen.harness.findings import Finding, demo_findings, format_table, plot, pool, roles, write_findings
-from blockgen.harness.grids import demo_samplers, sampler_label
-from blockgen.harness.presets import DEMO_PRESETS, preset
+from blockgen.harness.reports.compare import mean_stderr
+from blockgen.harness.reports.findings import Finding, demo_findings, format_table, plot, pool, roles, write_findings
+from blockgen.harness.evaluation.grids import demo_samplers, sampler_label
+from blockgen.harness.training.presets import DEMO_PRESETS, preset
 
 TASK = "gsm8k_code_embedded"
 FINDING = Finding("claim", "A - B", ("model-a", "setting-a"), ("model-b", "setting-b"), +1)

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness import cli, gpu_check, scorers
+from blockgen.harness import cli, gpu_check
+from blockgen.harness.evaluation import scorers
 from blockgen.harness.gpu_check import CPU_SCALE, GPU_SCALE, GpuCheckConfig, run_gpu_check
-from blockgen.harness.grids import GRIDS
-from blockgen.harness.presets import preset
-from blockgen.harness.rates import TrainRate, read_rates, training_tokens_per_s
-from blockgen.harness.train import TrainConfig, memory_estimate
+from blockgen.harness.evaluation.grids import GRIDS
+from blockgen.harness.training.presets import preset
+from blockgen.harness.costs.rates import TrainRate, read_rates, training_tokens_per_s
+from blockgen.harness.training.train import TrainConfig, memory_estimate
 from blockgen.models.model import BlockGen
 from limits import HANG_S
 
@@ -221,7 +222,7 @@ def test_on_cuda_with_a_cuda_build_the_scorer_stage_goes_on(tmp_path, monkeypatc
     def stop(*args, **kwargs):
         raise RuntimeError("reached the comparison")
 
-    monkeypatch.setattr("blockgen.harness.train_scorer.train_scorer", stop)
+    monkeypatch.setattr("blockgen.harness.training.train_scorer.train_scorer", stop)
     summary = run_gpu_check(GpuCheckConfig(out_dir=str(tmp_path), device="cuda", stages=("scorers",)))
     assert "reached the comparison" in summary["stages"]["scorers"]["error"]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness.checkpoint import save_checkpoint
-from blockgen.harness.data import encode_prompt
-from blockgen.harness.tokenizer import special_tokens, train_bpe
-from blockgen.harness.wordproblems import generate, is_heldout
+from blockgen.harness.checkpoints.checkpoint import save_checkpoint
+from blockgen.harness.data.sources import encode_prompt
+from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
+from blockgen.harness.data.wordproblems import generate, is_heldout
 from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.tasks import gsm8k_code
@@ -93,8 +93,8 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A micro mixture (block sizes 1 and 4) trained for 40 steps on generated word problems: the `ci` preset."""
-    from blockgen.harness.presets import preset
-    from blockgen.harness.train import train
+    from blockgen.harness.training.presets import preset
+    from blockgen.harness.training.train import train
 
     out = tmp_path_factory.mktemp("trained")
     base = preset("ci")
@@ -290,7 +290,7 @@ def _check_run(out: Path, task: str, n: int) -> dict:
     assert isinstance(metrics["exact_match_stderr,sandbox"], float)
     assert results["n-samples"][task]["effective"] == n
     usage = results["config"]["blockgen"]["tasks"][task]["generate_until"]
-    from blockgen.harness.leaderboard import merge_budgets
+    from blockgen.harness.evaluation.usage import merge_budgets
 
     (settings,) = merge_budgets(usage["settings"])  # rows whose prompts leave less room than max_gen_toks differ
     assert settings["max_gen_toks"] == 32 and metrics["budget_hits,sandbox"] <= n
@@ -353,7 +353,7 @@ def test_embedded_task_takes_its_problem_count_from_the_yaml(ckpts):
     cost reads it too); --metadata overrides it."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    from blockgen.harness.eval_cost import task_metadata
+    from blockgen.harness.costs.eval_cost import task_metadata
     from blockgen.lm_eval import register, tasks_dir
 
     register()
@@ -400,7 +400,7 @@ def test_torchrun_two_ranks_agree_with_one_process(trained, twin_single, tmp_pat
 
 def test_demo_accuracy_comes_from_the_task(trained):
     """The demo's evaluation is `simple_evaluate` on gsm8k_code_embedded (one code path)."""
-    from blockgen.harness.wordproblem_eval import evaluate_embedded
+    from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded
     from blockgen.models.sampling import SamplerConfig
 
     report = evaluate_embedded(trained, SamplerConfig("arpc", steps=4, ge=2, temperature=0.5), n_problems=12,

@@ -24,10 +24,19 @@ class Edge:
 
 
 def package_dirs() -> dict[str, Path]:
-    """Package name -> folder, as setuptools installs them (package-dir, else the dotted path)."""
+    """Package name -> folder, as setuptools installs them: the package-dir of the package or of its
+    nearest mapped parent (`blockgen.harness.training` -> harness/training), else the dotted path."""
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     mapped = tool.get("package-dir", {})
-    return {name: REPO / mapped.get(name, name.replace(".", "/")) for name in tool["packages"]}
+
+    def folder(name: str) -> Path:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in mapped:
+                return REPO / mapped[".".join(parts[:i])] / "/".join(parts[i:])
+        return REPO / name.replace(".", "/")
+
+    return {name: folder(name) for name in tool["packages"]}
 
 
 def modules() -> dict[str, Path]:
@@ -126,12 +135,12 @@ def test_the_graph_is_read_from_every_module():
     edges, mods, unresolved = graph()
     assert unresolved == [], "imports of names that are no module of the package:\n" + "\n".join(unresolved)
     for folder in ("models", "harness", "tasks"):
-        for path in (REPO / folder).glob("*.py"):
+        for path in (REPO / folder).rglob("*.py"):
             assert path in mods.values(), path
     targets = {name: {e.target for e in out} for name, out in edges.items()}
-    assert "blockgen.harness.leaderboard" in targets["blockgen.harness.regression"]  # module level
-    assert "blockgen.harness.train" in targets["blockgen.harness.cli"]  # inside `main`
-    assert "blockgen.models.model" in targets["blockgen.harness.checkpoint"]  # across the mapped folders
+    assert "blockgen.harness.reports.leaderboard" in targets["blockgen.harness.reports.regression"]  # module level
+    assert "blockgen.harness.training.train" in targets["blockgen.harness.cli"]  # inside `main`
+    assert "blockgen.models.model" in targets["blockgen.harness.checkpoints.checkpoint"]  # across the mapped folders
 
 
 def test_find_cycle_reports_the_loop_with_its_lines():
@@ -156,4 +165,29 @@ def test_layers_import_only_downwards(lower, upper):
     edges, mods, _ = graph()
     wrong = [f"{name} ({mods[name].relative_to(REPO)}:{e.line}) imports {e.target}"
              for name, out in edges.items() if package_of(name) == lower for e in out if package_of(e.target) == upper]
+    assert wrong == [], "\n".join(wrong)
+
+
+# The wings of harness/, lowest first: a wing imports only the wings before it (and models/); the
+# top-level modules (cli, demo, gpu_check) may import any. So a checkpoint loads without training or
+# evaluation, training never needs evaluation, costs or reports, and reports read everything.
+WINGS = ("runtime", "checkpoints", "data", "training", "costs", "evaluation", "reports")
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["blockgen", "harness"] and len(parts) >= 4 else None
+
+
+def test_wings_import_downwards():
+    edges, mods, _ = graph()
+    found = {wing_of(name) for name in mods} - {None}
+    assert found == set(WINGS), f"harness/'s wings {sorted(found)} are not the ordered ones {list(WINGS)}"
+    wrong = []
+    for name, out in edges.items():
+        source = wing_of(name)
+        for e in out:
+            target = wing_of(e.target)
+            if source and target and WINGS.index(target) > WINGS.index(source):
+                wrong.append(f"{name} ({mods[name].relative_to(REPO)}:{e.line}) imports {e.target}: {source} may not import {target}")
     assert wrong == [], "\n".join(wrong)

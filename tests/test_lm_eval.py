@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness.checkpoint import checkpoint_hash, load_checkpoint, save_checkpoint
-from blockgen.harness.tokenizer import special_tokens, train_bpe
+from blockgen.harness.checkpoints.checkpoint import checkpoint_hash, load_checkpoint, save_checkpoint
+from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
 from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 from blockgen.tasks.blockgen_toy import training_text
@@ -114,7 +114,7 @@ def _requests(kind: str, args: list[tuple]):
 
 
 def test_windows_score_each_target_token_once():
-    from blockgen.harness.lm_eval_adapter import windows
+    from blockgen.harness.evaluation.lm_eval_adapter import windows
 
     context, target = [100, 101, 102], list(range(150))
     ws = windows(context, target, 64)
@@ -126,7 +126,7 @@ def test_windows_score_each_target_token_once():
 
 def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
     """A window scored in a padded batch == BlockGen.nll_bounds on the window alone, same draws; LSE >= Jensen."""
-    from blockgen.harness.lm_eval_adapter import Window, score_windows
+    from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
     from blockgen.models.diffusion import RowStreams
 
     model, tok = load_checkpoint(ckpts["mixture"])
@@ -149,7 +149,7 @@ def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
 
 def test_score_does_not_depend_on_padding(ckpts):
     """Padding is invisible: two pad ids give identical numbers, window lengths on and off the block grid."""
-    from blockgen.harness.lm_eval_adapter import Window, score_windows
+    from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
     ids = tok.encode("the old fox likes the box . one plus four is five . the dog sees the cat", add_special_tokens=False)
@@ -229,7 +229,7 @@ def test_ar_checkpoint_is_exact_and_seed_free(ckpts):
 def test_bad_model_args_name_the_choices(ckpts, tmp_path):
     from lm_eval.api.registry import get_model
 
-    from blockgen.harness.checkpoint import CheckpointError
+    from blockgen.harness.checkpoints.checkpoint import CheckpointError
 
     cls = get_model("blockgen")
     cases = {
@@ -263,7 +263,7 @@ def test_bad_model_args_name_the_choices(ckpts, tmp_path):
 
 
 def test_batch_size_auto_on_cpu_is_the_documented_default(ckpts):
-    from blockgen.harness.lm_eval_adapter import AUTO_BATCH_SIZE_CPU
+    from blockgen.harness.evaluation.lm_eval_adapter import AUTO_BATCH_SIZE_CPU
 
     for value in ("auto", "auto:4"):
         assert _lm(ckpts["mixture"], batch_size=value, max_batch_size=64).batch_size == AUTO_BATCH_SIZE_CPU
@@ -313,7 +313,7 @@ def _budget_requests(budgets: list[int], task: str = "toy_budgets"):
 
 def _counting_generate(monkeypatch) -> list[dict]:
     """Record every call of `generate` the adapter makes: its rows' budgets, seeds and generated ids."""
-    import blockgen.harness.lm_eval_adapter as adapter
+    import blockgen.harness.evaluation.lm_eval_adapter as adapter
 
     calls, real = [], adapter.generate
 
@@ -337,7 +337,7 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
     (its seed derives from its own settings, budget included); one usage record for the setting."""
     from dataclasses import asdict, replace
 
-    from blockgen.harness.lm_eval_adapter import derive_seed
+    from blockgen.harness.evaluation.lm_eval_adapter import derive_seed
 
     calls = _counting_generate(monkeypatch)
     lm = _lm(ckpts["mixture"], batch_size=1, gen_batch_size=4, seed=1, steps=2, batch_invariant=False)
@@ -400,7 +400,7 @@ def test_ignore_eos_generates_the_whole_budget_and_agrees_up_to_eos(ckpts, monke
 def test_compile_model_argument_reaches_generate(ckpts, monkeypatch):
     """--model_args compile=True (lm-eval's parsing) makes every generate call compile; a non-bool is
     refused. That compiled generation equals eager is tests/test_graphs.py's."""
-    import blockgen.harness.lm_eval_adapter as adapter
+    import blockgen.harness.evaluation.lm_eval_adapter as adapter
     from lm_eval.api.registry import get_model
 
     seen, real = [], adapter.generate
@@ -509,7 +509,7 @@ def test_mc_stderr_is_a_calibrated_error_bar_and_crn_shrinks_differences(ckpts):
     """The delta-method MC standard error matches the spread of the bound over seeds (conservatively:
     the draws are stratified), and two choices of one context differ with a smaller error than their
     own errors combined (common random numbers)."""
-    from blockgen.harness.lm_eval_adapter import RequestScore, Window, paired_mc_stderr, score_windows
+    from blockgen.harness.evaluation.lm_eval_adapter import RequestScore, Window, paired_mc_stderr, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
     context = [special_tokens(tok).bos, *tok.encode("the happy dog chases the", add_special_tokens=False)]

@@ -1,4 +1,4 @@
-"""MAUVE's inputs computed once and kept by reference (`blockgen.harness.mauve_cache`, tasks/owt.py).
+"""MAUVE's inputs computed once and kept by reference (`blockgen.harness.evaluation.mauve_cache`, tasks/owt.py).
 
 - The reference passages and their features are built once per process across a sweep's settings,
   and once across processes through the disk cache; another reference set or scorer rebuilds them.
@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from blockgen.harness import data, hub, mauve_cache, scorers
-from blockgen.harness.data import DataConfig
-from blockgen.harness.scorers import ScorerConfig, ScorerError, TransformersScorer, shared_scorers
+from blockgen.harness.data import sources as data
+from blockgen.harness.checkpoints import hub
+from blockgen.harness.evaluation import mauve_cache, scorers
+from blockgen.harness.data.sources import DataConfig
+from blockgen.harness.evaluation.scorers import ScorerConfig, ScorerError, TransformersScorer, shared_scorers
 from blockgen.tasks import owt
 
 N = 12  # reference passages (= samples) per setting
@@ -228,7 +230,7 @@ def test_lm_eval_samples_file_points_to_side_files(tmp_path, scorer_dir, calls):
 
 def test_sweep_keeps_the_cache_under_its_results_root(tmp_path, scorer_dir, monkeypatch):
     """`blockgen sweep`: <results root>/mauve-cache unless $BLOCKGEN_MAUVE_CACHE or the metadata names one."""
-    from blockgen.harness import sweep
+    from blockgen.harness.evaluation import sweep
 
     monkeypatch.delenv(mauve_cache.CACHE_ENV, raising=False)
     metadata = {"scorer": "transformers", "scorer_model": str(scorer_dir), "num_samples": 2}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness.data import DataConfig
-from blockgen.harness.presets import preset
-from blockgen.harness.train import memory_estimate, names_the_knob, train
+from blockgen.harness.data.sources import DataConfig
+from blockgen.harness.training.presets import preset
+from blockgen.harness.training.train import memory_estimate, names_the_knob, train
 from blockgen.models import diffusion
 from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, UniformPrior
@@ -189,7 +189,7 @@ def test_plain_ar_likelihood_is_a_causal_pass_over_growing_prefixes():
 
 def test_plain_ar_preset_trains_and_keeps_its_architecture(tmp_path):
     """A few steps of `owt-embedded-ar` (what CI's pipeline trains): the loss falls, the checkpoint is AR."""
-    from blockgen.harness.checkpoint import read_config
+    from blockgen.harness.checkpoints.checkpoint import read_config
 
     config = preset("owt-embedded-ar", out_dir=str(tmp_path / "ar"), max_steps=30, eval_every=30, save_every=30,
                     data=replace(preset("owt-embedded-ar").data, cache_dir=str(tmp_path / "cache")))
@@ -207,7 +207,7 @@ def test_plain_ar_flops_count_its_l_tokens():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from blockgen.harness.train import training_flops_per_step
+    from blockgen.harness.training.train import training_flops_per_step
 
     config = preset("owt-embedded-ar", seq_len=64).model_config(300, {}, "cpu")
     model = BlockGen(config)

@@ -1,4 +1,4 @@
-"""CI regression of gsm8k_code by per-problem outcomes (harness/outcomes.py), end to end on a tiny checkpoint.
+"""CI regression of gsm8k_code by per-problem outcomes (harness/reports/outcomes.py), end to end on a tiny checkpoint.
 
 A `ci`-preset model (trained here in seconds) is stored as the outcomes store's checkpoint; `blockgen
 outcomes update` writes its outcomes through the real sweep and lm-eval, and `blockgen outcomes check`
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import outcomes as oc
+from blockgen.harness.reports import outcomes as oc
 from limits import HANG_S
 
 BLOCKGEN = [sys.executable, "-m", "blockgen.harness.cli"]
@@ -31,8 +31,8 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 def train_tiny(out_dir: Path, seed: int = 0, steps: int = 40) -> Path:
-    from blockgen.harness.presets import preset
-    from blockgen.harness.train import train
+    from blockgen.harness.training.presets import preset
+    from blockgen.harness.training.train import train
 
     config = preset("ci")
     return Path(train(replace(config, out_dir=str(out_dir), seed=seed, max_steps=steps,
@@ -60,7 +60,7 @@ def test_update_stores_every_setting_with_lm_evals_numbers(store):
     assert [s["label"] for s in doc["settings"]] == ["ancestral-4-1-0-T0.1", "eipc-4-2-0-T0.1", "arpc-3-2-1-T0.1",
                                                      "ar_greedy-1-1-0-T0.1"]
     assert doc["limit"] == LIMIT and len(doc["problems"]) == LIMIT
-    from blockgen.harness.checkpoint import checkpoint_hash
+    from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
 
     ckpt = oc.checkpoint_dir(store["store"])
     assert doc["provenance"]["checkpoint_sha"] == checkpoint_hash(ckpt)
@@ -145,7 +145,7 @@ def test_store_checkpoint_casts_weights_and_drops_training_state(store, tmp_path
     import torch
     from safetensors.torch import load_file
 
-    from blockgen.harness.checkpoint import load_checkpoint
+    from blockgen.harness.checkpoints.checkpoint import load_checkpoint
 
     oc.store_checkpoint(store["checkpoint"], tmp_path / "half", "float16")
     assert sorted(p.name for p in (tmp_path / "half").iterdir()) == sorted(

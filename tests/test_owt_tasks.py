@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness.checkpoint import load_checkpoint
-from blockgen.harness.data import DataConfig, chunk_documents, document_split, get_tokenizer
-from blockgen.harness.tokenizer import special_tokens
+from blockgen.harness.checkpoints.checkpoint import load_checkpoint
+from blockgen.harness.data.sources import DataConfig, chunk_documents, document_split, get_tokenizer
+from blockgen.harness.checkpoints.tokenizer import special_tokens
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def validation(run_dir: Path) -> dict:
 
 
 def needs_windows_api():
-    from blockgen.harness.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
 
     if not hasattr(BlockGenLM, "loglikelihood_windows"):
         pytest.skip("the adapter has no BlockGenLM.loglikelihood_windows yet (issue 10: exact token windows "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness.leaderboard import Leaderboard, Row, write
+from blockgen.harness.reports.leaderboard import Leaderboard, Row, write
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_page_leads_with_the_comparison(tmp_path):
     paired difference and interval as `blockgen leaderboard compare` computes them."""
     from dataclasses import replace
 
-    from blockgen.harness.compare import compare_accuracy
+    from blockgen.harness.reports.compare import compare_accuracy
 
     a, b = _outcomes(both=40, a_only=9, b_only=1, neither=50)
     row_a = gsm_row("m-a", "masked", "arpc", 4, sum(a) / 100, steps=3, ge=2, source=_with_outcomes(tmp_path, "a", a))

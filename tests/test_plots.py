@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from blockgen.harness import plots
-from blockgen.harness.leaderboard import Row
-from blockgen.harness.plots import COLORS, pareto_front, speed_quality_frontier
+from blockgen.harness.reports import plots
+from blockgen.harness.reports.leaderboard import Row
+from blockgen.harness.reports.plots import COLORS, pareto_front, speed_quality_frontier
 
 TASK, MODEL = "embedded_wordproblems", "gsm-masked-mix"
 AR_GREEDY = (0.60, 40.0)  # accuracy, tokens/s
@@ -128,7 +128,7 @@ def test_no_figure_without_measured_speed_or_for_published_rows(tmp_path):
 
 
 def test_the_page_lists_the_frontier_png(tmp_path):
-    from blockgen.harness.page import build_page
+    from blockgen.harness.reports.page import build_page
 
     page = build_page(sweep(), tmp_path / "site")
     data = json.loads(re.search(r'<script type="application/json" id="leaderboard-data">(.*?)</script>',

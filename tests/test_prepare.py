@@ -1,4 +1,4 @@
-"""Data preparation (harness/prepare.py): the memory-mapped cache training reads, built before any
+"""Data preparation (harness/data/prepare.py): the memory-mapped cache training reads, built before any
 process group; the authors' framing and splits; OWT from a local copy of the hub's parquet export;
 hub-check on what training really loads; one permutation per epoch and exact resume across epochs."""
 
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from blockgen.harness import data as data_mod
-from blockgen.harness.checkpoint import TRAINING_STATE
-from blockgen.harness import prepare
-from blockgen.harness.data import DataConfig, chunk_documents, document_split
-from blockgen.harness.prepare import load_examples
-from blockgen.harness.tokenizer import special_tokens, train_bpe
+from blockgen.harness.data import sources as data_mod
+from blockgen.harness.checkpoints.checkpoint import TRAINING_STATE
+from blockgen.harness.data import prepare
+from blockgen.harness.data.sources import DataConfig, chunk_documents, document_split
+from blockgen.harness.data.prepare import load_examples
+from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     """A small local BPE (no hub), saved so subprocesses can load it by directory."""
-    from blockgen.harness.wordproblems import generate
+    from blockgen.harness.data.wordproblems import generate
 
     problems = generate("train", 2000, seed=0)
     from transformers import PreTrainedTokenizerFast
@@ -94,7 +94,7 @@ def test_owt_loads_a_local_copy_of_the_hub_parquet_export(tmp_path, tok, monkeyp
     # The tasks' in-memory chunks (owt_ppl) are training's validation chunks.
     assert torch.equal(chunk_documents(held_out, tok, special_tokens(tok), 24).tokens[:5], val.tokens)
 
-    from blockgen.harness.hub import check_files
+    from blockgen.harness.checkpoints.hub import check_files
 
     check_files([(str(export), None, "train")], [str(Path(tok.name_or_path))], [])  # hub-check on the local copy
 
@@ -103,7 +103,7 @@ def test_hub_check_and_loading_failures_are_the_projects_clear_errors(tmp_path):
     """hub-check looks at the files training would load: a loading script (refused by datasets >= 4) or
     a partial parquet export fails with the reason; the unreachable hub fails naming the offline path;
     loading a script dataset becomes the project's error, not datasets' RuntimeError."""
-    from blockgen.harness.hub import HubUnavailableError, check_files, dataset_layout_problem, model_files_problem
+    from blockgen.harness.checkpoints.hub import HubUnavailableError, check_files, dataset_layout_problem, model_files_problem
 
     export = ["plain_text/train/0000.parquet", "plain_text/train/0001.parquet"]
     assert dataset_layout_problem(export, "train") is None
@@ -142,7 +142,7 @@ def test_tinygsm_split_and_format_follow_the_authors(tmp_path, tok, monkeypatch)
     ids = Dataset.from_dict({"i": list(range(n))}).train_test_split(test_size=0.01, seed=42)["test"]["i"]
     assert sorted(data_mod.tinygsm_held_out(n).tolist()) == sorted(ids) and len(ids) == math.ceil(0.01 * n)
 
-    from blockgen.harness.wordproblems import generate, to_records
+    from blockgen.harness.data.wordproblems import generate, to_records
 
     records = to_records(generate("train", 400, seed=1))
     records[7]["code"] = "x = 1\n" * 200  # longer than seq_len: dropped
@@ -200,8 +200,8 @@ def test_prepared_cache_is_atomic_reused_and_cleans_up_a_killed_attempt(tmp_path
 def test_resume_across_an_epoch_boundary_draws_the_same_batches_and_weights(tmp_path, monkeypatch):
     """One permutation per epoch (drawn once, not per step); a run stopped after an epoch boundary and
     resumed draws the batches of an uninterrupted run and ends with identical weights."""
-    from blockgen.harness import train as train_mod
-    from blockgen.harness.presets import preset
+    from blockgen.harness.training import train as train_mod
+    from blockgen.harness.training.presets import preset
 
     draws, batches = [], {}
     real_randperm, real_slot_batches = torch.randperm, train_mod._slot_batches
@@ -236,8 +236,8 @@ def test_resume_across_an_epoch_boundary_draws_the_same_batches_and_weights(tmp_
 
 MEMORY_PROBE = """
 import json, resource, sys, threading, time
-from blockgen.harness.data import DataConfig
-from blockgen.harness.prepare import prepare_data
+from blockgen.harness.data.sources import DataConfig
+from blockgen.harness.data.prepare import prepare_data
 
 def anon_kb():
     for line in open("/proc/self/status"):
@@ -286,7 +286,7 @@ def test_torchrun_trains_when_preparation_outlasts_the_process_group_timeout(tmp
     script = tmp_path / "slow_prepare_train.py"
     script.write_text(
         "import sys, time\n"
-        "from blockgen.harness import prepare\n"
+        "from blockgen.harness.data import prepare\n"
         "real = prepare.prepare_data\n"
         "def slow(*args, **kwargs):\n"
         "    time.sleep(18)  # longer than the process group's timeout\n"

@@ -1,4 +1,4 @@
-"""The rates file (harness/rates.py) and the full-scale prices made from it (`blockgen sweep GRID --dry-run`).
+"""The rates file (harness/costs/rates.py) and the full-scale prices made from it (`blockgen sweep GRID --dry-run`).
 
 - A rates file round-trips through JSON; a bad one is refused with the file and the field named.
 - The stored H100 file holds the figures docs/results.md measured (seconds / model calls), nothing else.
@@ -22,8 +22,11 @@ from dataclasses import replace
 
 import pytest
 
-from blockgen.harness import checkpoint, cli, rates, sweep
-from blockgen.harness.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
+from blockgen.harness.checkpoints import checkpoint
+from blockgen.harness import cli
+from blockgen.harness.costs import rates
+from blockgen.harness.evaluation import sweep
+from blockgen.harness.costs.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
 
 TOTAL = re.compile(r"total: .*, ([0-9.]+) h \(([0-9.]+) GPU-h at measured rates \((.*)\) \+ ([0-9.]+) H200-h FLOP bound "
                    r"where no rate was measured; FLOP bound of all: ([0-9.]+) H200-h")

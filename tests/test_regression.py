@@ -1,4 +1,4 @@
-"""CI regression check: a rerun's leaderboard against a reference with tolerances (harness/regression.py).
+"""CI regression check: a rerun's leaderboard against a reference with tolerances (harness/reports/regression.py).
 
 Synthetic leaderboards written with the leaderboard module's own writer; the real CLI through subprocess."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import leaderboard as lb
-from blockgen.harness import regression as rg
+from blockgen.harness.reports import leaderboard as lb
+from blockgen.harness.reports import regression as rg
 from blockgen.harness.cli import main as cli_main
-from blockgen.harness.leaderboard import Leaderboard, LeaderboardError, Row
+from blockgen.harness.reports.leaderboard import Leaderboard, LeaderboardError, Row
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]

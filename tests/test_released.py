@@ -1,4 +1,4 @@
-"""The paper's released checkpoints (harness/released.py) against the fixtures in the release format.
+"""The paper's released checkpoints (harness/checkpoints/released.py) against the fixtures in the release format.
 
 Two fixture sets (`../shared/data/released` and `../shared/data/released-gpt2`, or $BLOCKGEN_RELEASE_FIXTURES and
 $BLOCKGEN_RELEASE_FIXTURES_GPT2) hold tiny random models saved as the authors' code saves a release, with the
@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockgen.harness.checkpoint import CheckpointError, load_checkpoint
-from blockgen.harness.hub import HubUnavailableError
-from blockgen.harness.released import (
+from blockgen.harness.checkpoints.checkpoint import CheckpointError, load_checkpoint
+from blockgen.harness.checkpoints.hub import HubUnavailableError
+from blockgen.harness.checkpoints.released import (
     DATASETS,
     ReleaseError,
     ReleaseOverrides,
@@ -366,7 +366,7 @@ def test_training_can_start_from_a_release(tok64):
     """`init_from` takes a release: its weights land in a model of this project with the same network options."""
     from transformers import PreTrainedTokenizerFast
 
-    from blockgen.harness.train import warm_start
+    from blockgen.harness.training.train import warm_start
     from blockgen.models.backbone import ModelShape
     from blockgen.models.model import BlockGen
 
@@ -531,7 +531,7 @@ def test_import_command_prints_one_line(gpt2_copy, capsys):
 
 def test_a_checkpoint_with_another_tokenizer_is_refused(tmp_path):
     """Issue 28: another tokenizer (there 512 tokens) in the stored 811-token checkpoint loaded silently and wrote garbage."""
-    from blockgen.harness.tokenizer import train_bpe
+    from blockgen.harness.checkpoints.tokenizer import train_bpe
     from blockgen.tasks.blockgen_toy import training_text
 
     checkpoint = tmp_path / "checkpoint"

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from blockgen.harness.checkpoint import KILL_IN_SAVE_ENV, TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
-from blockgen.harness.train import TrainConfig, TrainingStopped, keep_records_up_to, stop_requests
+from blockgen.harness.checkpoints.checkpoint import KILL_IN_SAVE_ENV, TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
+from blockgen.harness.training.train import TrainConfig, TrainingStopped, keep_records_up_to, stop_requests
 from limits import HANG_S
 
 PY = sys.executable
@@ -103,7 +103,7 @@ def test_flops_formula_matches_torch_flop_counter():
     """training_flops_per_step against torch's FlopCounterMode on a real forward + backward (micro model)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from blockgen.harness.train import training_flops_per_step
+    from blockgen.harness.training.train import training_flops_per_step
     from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
 
@@ -123,7 +123,7 @@ def test_flops_formula_matches_torch_flop_counter():
 
 
 def test_presets_are_the_papers_baselines():
-    from blockgen.harness.presets import BENCHMARKS, PRESETS
+    from blockgen.harness.training.presets import BENCHMARKS, PRESETS
 
     for scale in ("", "-embedded"):
         owt, gsm = PRESETS[f"owt{scale}-masked-mix-flat"], PRESETS[f"tinygsm{scale}-uniform-mix"]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness.lm_eval_adapter import BlockGenLM, BlockGenLMArgs, sampler_model_args
-from blockgen.harness.sampler_grid import GRID
-from blockgen.harness.grids import demo_samplers
+from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM, BlockGenLMArgs, sampler_model_args
+from blockgen.harness.evaluation.sampler_grid import GRID
+from blockgen.harness.evaluation.grids import demo_samplers
 from blockgen.models.sampling import SamplerConfig
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"

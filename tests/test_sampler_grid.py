@@ -1,4 +1,4 @@
-"""The paper's sampler grid (`blockgen.harness.sampler_grid`): every variant's NFE label by appendix
+"""The paper's sampler grid (`blockgen.harness.evaluation.sampler_grid`): every variant's NFE label by appendix
 D's formula, `nfe=N` in the adapter, and the Makefile and the demo reading the grid (no copy)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockgen.harness import cli
-from blockgen.harness.sampler_grid import GRID, pick
+from blockgen.harness.evaluation.sampler_grid import GRID, pick
 from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_adapter_nfe_picks_and_records_the_variant(tmp_path):
 
 def test_makefile_and_demo_read_the_grid():
     """No copy of the grid elsewhere: the Makefile lists no variant (its sweeps read this module through
-    harness/sweep.py), and the demo runs each NFE's default variant."""
+    harness/evaluation/sweep.py), and the demo runs each NFE's default variant."""
     from blockgen.harness.demo import DIFFUSION_VARIANTS
 
     makefile = (REPO / "Makefile").read_text()

@@ -655,9 +655,9 @@ def test_configs_checked_against_the_model(masked):
 
 
 def test_cli_samples_a_checkpoint(tmp_path, capsys):
-    from blockgen.harness.checkpoint import save_checkpoint
+    from blockgen.harness.checkpoints.checkpoint import save_checkpoint
     from blockgen.harness.cli import main
-    from blockgen.harness.tokenizer import special_tokens, train_bpe
+    from blockgen.harness.checkpoints.tokenizer import special_tokens, train_bpe
 
     tok = train_bpe(["three apples and two pears make five fruits"] * 20, vocab_size=270)
     special = special_tokens(tok)
@@ -683,7 +683,7 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert main(argv[:3] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
     assert "[1, 8]" in capsys.readouterr().err
     # --nfe: the paper's variant at that NFE (the rule of lm-eval's nfe= model arg), narrowed by --ge
-    from blockgen.harness.sampler_grid import pick
+    from blockgen.harness.evaluation.sampler_grid import pick
 
     by_nfe = tmp_path / "nfe.jsonl"
     base = argv[:5] + ["--sampler", "arpc", "--max-new-tokens", "16", "--quiet", "--out", str(by_nfe)]

@@ -1,4 +1,4 @@
-"""Scorers for generative perplexity (`blockgen.harness.scorers`).
+"""Scorers for generative perplexity (`blockgen.harness.evaluation.scorers`).
 
 - The scoring rule (windows, entropy) against brute-force definitions; the transformers scorer's
   batched log-probabilities against one unpadded pass per sequence.
@@ -26,9 +26,9 @@ import psutil
 import pytest
 import torch
 
-from blockgen.harness import scorers
-from blockgen.harness.data import DataConfig, document_split
-from blockgen.harness.scorers import (
+from blockgen.harness.evaluation import scorers
+from blockgen.harness.data.sources import DataConfig, document_split
+from blockgen.harness.evaluation.scorers import (
     ScorerConfig,
     ScorerError,
     TransformersScorer,
@@ -38,7 +38,7 @@ from blockgen.harness.scorers import (
     scoring_windows,
     unigram_entropy,
 )
-from blockgen.harness.train_scorer import ScorerTrainConfig, train_scorer
+from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 from blockgen.tasks.owt import reference_passages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def test_ctrl_c_stops_the_server(scorer_dir, fake_vllm):
 
 
 def test_server_dies_when_its_parent_is_killed(scorer_dir, fake_vllm, tmp_path):
-    script = (f"from blockgen.harness.scorers import *\n"
+    script = (f"from blockgen.harness.evaluation.scorers import *\n"
               f"s = open_scorer(ScorerConfig(backend='vllm', model={str(scorer_dir)!r}))\n"
               f"print(s.server.process.pid, flush=True)\nimport time; time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

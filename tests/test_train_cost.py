@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from blockgen.harness.presets import preset
-from blockgen.harness.rates import RATES_VERSION, Provenance, Rates, RateSource, TrainRate, read_rates, write_rates
-from blockgen.harness.train_cost import flops_per_token, report, run_cost
+from blockgen.harness.training.presets import preset
+from blockgen.harness.costs.rates import RATES_VERSION, Provenance, Rates, RateSource, TrainRate, read_rates, write_rates
+from blockgen.harness.costs.train_cost import flops_per_token, report, run_cost
 from limits import HANG_S
 
 H100_MASKED = TrainRate(precision="bfloat16+tf32", prior="masked", block_sizes=(16,), micro_batch=32, seq_len=1024,

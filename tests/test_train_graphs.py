@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._dynamo.backends.distributed import DDPOptimizer
 from torch._dynamo.utils import counters
 
-from blockgen.harness.train import training_net
+from blockgen.harness.training.train import training_net
 from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 

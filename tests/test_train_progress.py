@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from torch.utils.tensorboard import SummaryWriter
 
-from blockgen.harness.progress import Progress
+from blockgen.harness.runtime.progress import Progress
 from limits import HANG_S
 
 

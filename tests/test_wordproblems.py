@@ -1,4 +1,4 @@
-"""Tests for the procedural TinyGSM-style word problems (blockgen.harness.wordproblems)."""
+"""Tests for the procedural TinyGSM-style word problems (blockgen.harness.data.wordproblems)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from blockgen.harness import wordproblems as wp
+from blockgen.harness.data import wordproblems as wp
 
 NUMBER = re.compile(r"\d+")
 ASSIGN = re.compile(r"    (\w+) = (\d+)")

@@ -1,0 +1,267 @@
+"""What an evaluation setting costs: its work counted, then priced (`blockgen sweep GRID --dry-run`).
+
+Work (`Work`): rows (scored sequences, generated samples or problems) in batches of the grid's batch
+size, times the batched model calls each batch makes: likelihood passes (one per block size 1, K_MC
+per other block size: `likelihood_passes`), sampler calls over all blocks of a sample
+(`calls_per_block` x blocks, ARPC's AR passes included), or one call per token for AR decoding;
+plus the samples a Gen PPL scorer reads.
+
+Prices (`Price`: the headline seconds, and at full scale the FLOP bound beside it):
+- offline grids (CPU): **measured** seconds per batched call of each kind (`CPU_RATES`), per preset at
+  the grid's batch size, from `bench/bench_eval_cost.py` (which prints the table below);
+- full-scale grids (GPU): the work counted by `eval_cost.plan_cost` (`FullScalePlan`) times the
+  **measured** seconds per batched call of a rates file (harness/costs/rates.py: `make gpu-check` writes one,
+  the stored H100 file otherwise), in the setting's own precision (`rates.full_scale_price`); a part without
+  a measured rate (e.g. likelihood passes the file lacks, the Gen PPL scorer) is priced by the
+  **derived** FLOP bound and counted apart (`Price.derived`). The FLOP bound of the whole setting is
+  printed beside it: the reference bf16 H200 training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x
+  1,024), a forward = 1/3 of a step, scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from blockgen.harness.checkpoints.released import DATASETS, RELEASES, parse_release_path
+
+Kind = Literal["likelihood", "diffusion", "ar"]
+
+
+def likelihood_passes(block_sizes: tuple[int, ...], k_mc: int) -> int:
+    """Forward passes per scored sequence for the log-sum-exp bound: block size 1 is exact (one
+    pass), every other block size averages K_MC draws (mix-flat over 1-16 at K_MC 8: 33)."""
+    return sum(1 if size == 1 else k_mc for size in block_sizes)
+
+
+@dataclass(frozen=True)
+class Work:
+    kind: Kind
+    rows: int  # sequences scored, samples generated, or problems answered
+    batch: int  # rows per model call
+    calls: int  # batched model calls per batch of rows (passes, sampler calls over all blocks, or tokens)
+    scored: int = 0  # samples a generative-perplexity scorer reads
+
+    @property
+    def batched_calls(self) -> int:
+        return math.ceil(self.rows / self.batch) * self.calls
+
+    def describe(self) -> str:
+        what = {"likelihood": "passes", "diffusion": "sampler calls", "ar": "AR calls (one per token)"}[self.kind]
+        text = f"{self.rows} rows / {self.batch} per call x {self.calls} {what} = {self.batched_calls} batched calls"
+        return text + (f"; {self.scored} samples scored" if self.scored else "")
+
+
+@dataclass(frozen=True)
+class FullScalePlan:
+    """A full-scale setting's counted work and its FLOP bound in derived H200-seconds (`eval_cost.plan_cost`)."""
+
+    work: Work
+    algo: str  # released.ALGOS: blockgen, ar, mdlm, duo
+    prior: str | None  # masked or uniform (None: a plain AR model)
+    seq_len: int
+    model_s: float  # the model calls' FLOP bound
+    what: str
+    sampler: str | None = None  # None: the likelihood setting
+    block: int = 0  # tokens per block of the sampler's calls
+    scorer_s: float = 0.0  # the Gen PPL scorer's FLOP bound (GPT-2 Large)
+
+    @property
+    def bound(self) -> float:
+        return self.model_s + self.scorer_s
+
+
+@dataclass(frozen=True)
+class Price:
+    """A setting's price: `seconds` is the headline (None: not priced), `what` the work counted and how it was priced."""
+
+    seconds: float | None
+    what: str
+    bound: float | None = None  # full scale: the FLOP bound of the whole setting (derived H200-seconds)
+    derived: float = 0.0  # the part of `seconds` priced by the FLOP bound, for want of a measured rate
+
+
+def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:
+    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows (no early stop)."""
+    from blockgen.models.sampling import SamplerConfig, calls_per_block
+
+    if sampler.startswith("ar_"):
+        return "ar", new_tokens
+    config = SamplerConfig(name=sampler, steps=steps, ge=ge, warmup=warmup, block_size=block)
+    return "diffusion", calls_per_block(config, block) * math.ceil(new_tokens / block)
+
+
+# ------------------------------------------------------------------------------ measured CPU rates
+
+
+@dataclass(frozen=True)
+class CpuRate:
+    """Seconds per batched model call at `batch` rows, measured (random weights of the preset's shape)."""
+
+    batch: int
+    pass_s: float  # one likelihood pass over `batch` full-length windows
+    call_s: float | None  # one diffusion sampler call (the preset's own family: ARPC for mixtures with block size 1)
+    ar_call_s: float | None  # one AR decoding call (one token per row), where the preset has block size 1
+    scorer_sample_s: float | None = None  # owt_genppl's scoring per sample: Gen PPL, MAUVE features (sample and reference), MAUVE
+
+
+# Measured by `bench/bench_eval_cost.py --write-table` on this project's 2-core CPU machine (torch threads
+# and load average in CPU_RATES_MEASURED); (preset, batch) -> rate. Regenerate after a model change.
+# CPU_SETTING_OVERHEAD_S: per task, what one setting costs besides its model calls (lm-eval building the
+# task and its documents, the sweep's logging, for gsm8k the sandbox start), from a real sweep setting
+# at a small limit minus its priced work; CPU_SANDBOX_PROGRAM_S: one gsm8k_code program run in the
+# sandbox, programs in parallel on the machine's cores.
+CPU_RATES_MEASURED = "2026-11-27, 2 torch thread(s) on 2 cores, load average 1.72 0.62 0.23"
+CPU_RATES: dict[tuple[str, int], CpuRate] = {
+    ('owt-embedded-ar', 8): CpuRate(8, 0.01426, None, 0.00075, 0.05925),
+    ('owt-embedded-masked-mix', 8): CpuRate(8, 0.02606, 0.00252, 0.00089, 0.05925),
+    ('owt-embedded-uniform-mix', 8): CpuRate(8, 0.01926, 0.00239, 0.00086, 0.05925),
+    ('tinygsm-embedded-ar', 1): CpuRate(1, 0.00152, None, 0.00038, None),
+    ('tinygsm-embedded-masked-16', 1): CpuRate(1, 0.00241, 0.00081, None, None),
+    ('tinygsm-embedded-masked-mix', 1): CpuRate(1, 0.00239, 0.00083, 0.00056, None),
+    ('gsm-ar', 16): CpuRate(16, 0.16083, None, 0.00451, None),
+    ('gsm-masked-mix', 16): CpuRate(16, 0.16063, 0.01582, 0.00436, None),
+    ('gsm-uniform-mix', 16): CpuRate(16, 0.16262, 0.01534, 0.00424, None),
+    ('gsm-masked-mix', 32): CpuRate(32, 0.33653, 0.02844, 0.00683, None),
+}
+CPU_SETTING_OVERHEAD_S: dict[str, float] = {'owt_ppl_embedded': 0.39, 'owt_genppl_embedded': 0.00, 'gsm8k_code_embedded': 0.52}
+CPU_SANDBOX_PROGRAM_S: float | None = 0.0117
+
+
+def cpu_rate(preset: str, batch: int) -> tuple[CpuRate | None, str]:
+    """The measured rate of a preset at a batch size, else the nearest measured batch scaled per row
+    (calls cost roughly rows x tokens at these sizes: an estimate, said in the note)."""
+    if (preset, batch) in CPU_RATES:
+        return CPU_RATES[preset, batch], ""
+    measured = [b for (p, b) in CPU_RATES if p == preset]
+    if not measured:
+        return None, f"no measured rate for {preset}"
+    near = min(measured, key=lambda b: abs(b - batch))
+    r, scale = CPU_RATES[preset, near], batch / near
+    mul = (lambda x: None if x is None else x * scale)
+    return CpuRate(batch, r.pass_s * scale, mul(r.call_s), mul(r.ar_call_s), r.scorer_sample_s), f"rate scaled from batch {near}"
+
+
+def cpu_seconds(work: Work, rate: CpuRate, task: str = "") -> float | None:
+    """Model calls x the measured seconds per call, plus the Gen PPL scorer per sample, the sandbox per
+    gsm8k_code problem and the task's measured per-setting overhead."""
+    per_call = {"likelihood": rate.pass_s, "diffusion": rate.call_s, "ar": rate.ar_call_s}[work.kind]
+    if per_call is None:
+        return None
+    scorer = work.scored * (rate.scorer_sample_s or 0.0)
+    sandbox = work.rows * (CPU_SANDBOX_PROGRAM_S or 0.0) if task.startswith("gsm8k_code") else 0.0
+    return work.batched_calls * per_call + scorer + sandbox + CPU_SETTING_OVERHEAD_S.get(task, 0.0)
+
+
+# ------------------------------------------------------------------------------ the offline tasks' rows
+
+
+def task_metadata(task: str) -> dict:
+    """A task YAML's metadata (lm-eval's `!function` tags read as nothing: only plain keys matter here)."""
+    import yaml
+
+    from blockgen.lm_eval import tasks_dir
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    path = Path(tasks_dir()) / f"{task}.yaml"
+    return (yaml.load(path.read_text(), Loader=Loader) or {}).get("metadata", {}) if path.is_file() else {}
+
+
+def offline_rows(task: str, limit: int | None, metadata: dict) -> int | None:
+    """Rows of an offline task: the limit, else its documents (None: only known from the data)."""
+    if limit is not None:
+        return limit
+    if task.startswith("gsm8k_code"):
+        return int(metadata.get("embedded_problems", task_metadata(task)["embedded_problems"]))
+    if "genppl" in task:
+        return int(metadata.get("num_samples", task_metadata(task).get("num_samples", 0))) or None
+    return None  # owt_ppl*: the held-out chunks of the prepared data
+
+
+def new_tokens(task: str, seq_len: int, max_gen_toks: int | None) -> int:
+    """Tokens a sample may generate: owt_genppl fills the model (BOS prompt); gsm8k_code the room its
+    prompt leaves (the prompt taken as a quarter of the length), or the grid's max_gen_toks. An upper
+    bound: the sampler stops a batch once every row has stopped."""
+    if max_gen_toks is not None:
+        return max_gen_toks
+    return seq_len - 1 if "genppl" in task else seq_len - seq_len // 4
+
+
+CPU_ASSUMPTIONS = ("CPU-seconds = batched calls x seconds per call MEASURED by bench/bench_eval_cost.py "
+                   "(random weights of each preset's shape at the grid's batch size; {measured}) + the sandbox per gsm8k "
+                   "problem + a per-setting overhead per task measured on a real setting (lm-eval task building, "
+                   "logging); rows = --limit, "
+                   "else the task's documents; generation budget: owt fills the model, gsm8k 3/4 of its length "
+                   "(full batches: one batch per sampler setting, per-row budgets inside it) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
+                   "(score, MAUVE features and MAUVE); model loads not counted")
+FULL_SCALE_ASSUMPTIONS = ("GPU-hours = batched calls x seconds per batched call MEASURED on the rates file's device "
+                          "(harness/costs/rates.py: sampler calls per sampler and block size, likelihood passes per model and prior; "
+                          "a batch between two measured ones interpolated; the setting's precision, else its dtype with TF32 "
+                          "the other way), the parts without a measured rate (likelihood passes or block sizes the file "
+                          "lacks, the Gen PPL scorer) at the FLOP bound; model loads and vLLM start-up not counted. "
+                          "FLOP bound beside it: H200-hours DERIVED (eval_cost.plan_cost): a forward = 1/3 of the reference "
+                          "bf16 H200 training step (0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024), "
+                          "scaled by tokens; assumes bf16 matmuls; generation FLOP-proportional, a lower bound (cached "
+                          "calls of a 16-32-token block are latency-bound); uniform prior's float64 NELBO not counted. "
+                          "owt_ppl: the whole held-out split as the paper (last 100k documents, ~110,000 chunks of 1,024), "
+                          "gsm8k: 1,319 problems x 256 tokens")
+
+
+# ------------------------------------------------------------------------------ full-scale settings
+
+# Cost model, derived (no GPU was lent to this work): the reference H200 measurements (not in this repository) of the paper-size
+# network (bf16, SDPA, L = 1,024, batch 8): 0.094 s per BlockGen training step over [x0 ; xt] (2L
+# tokens) and 0.057 s per plain AR step (L tokens). A forward pass is taken as a third of a training
+# step (the backward costs about two forwards); time scales with tokens (attention's L^2 ignored).
+H200_TRAIN_STEP_S = {"two_stream": 0.094, "one_stream": 0.057}
+H200_STEP_BATCH, H200_STEP_LEN = 8, 1024
+# OWT's held-out split: the last 100,000 of 8,013,769 documents, ~9e9 GPT-2 tokens in all (~1,120 per
+# document) -> ~1.1e8 tokens = ~110,000 chunks of 1,024 (approximate).
+OWT_PPL_SEQUENCES = 110_000
+GENPPL_SAMPLES, GSM8K_PROBLEMS = 1024, 1319  # the paper's Gen PPL samples; GSM8K's test set
+SCORER_PARAMS_RATIO = 774 / 170  # GPT-2 Large scores owt_genppl samples: its forward vs the 170M network's
+
+
+def forward_seconds(stream: str, tokens: float) -> float:
+    """Seconds of one forward pass over `tokens` tokens (of one sequence) on an H200 (derived)."""
+    per_token = H200_TRAIN_STEP_S[stream] / 3 / (H200_STEP_BATCH * H200_STEP_LEN * (2 if stream == "two_stream" else 1))
+    return per_token * tokens
+
+
+def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> FullScalePlan:
+    """One setting's counted work and FLOP bound (H200-seconds, derived): `run` is sampler:steps:ge:warmup or
+    'likelihood'. Generation also counts its batched model calls (`batch` rows per call), whose latency the
+    FLOP count does not see: `rates.full_scale_price` prices them with measured rates."""
+    setting = parse_release_path(RELEASES[name])
+    seq_len = DATASETS[setting.dataset].seq_len
+    sizes = setting.block_sizes or ((1,) if setting.algo == "ar" else (seq_len,))
+    two_stream = setting.algo == "blockgen"
+    stream = "two_stream" if two_stream else "one_stream"
+    plan = dict(algo=setting.algo, prior=setting.prior, seq_len=seq_len)
+    if run == "likelihood":
+        n = limit or OWT_PPL_SEQUENCES
+        passes = likelihood_passes(sizes, k_mc) if setting.algo != "ar" else 1
+        tokens = seq_len * (2 if two_stream else 1)
+        return FullScalePlan(Work("likelihood", n, batch, passes), model_s=n * passes * forward_seconds(stream, tokens),
+                             what=f"{n} sequences x {passes} passes", **plan)
+    sampler, steps, ge, warmup = run.split(":")
+    if task.startswith("gsm8k"):
+        n, new_tokens, scorer = limit or GSM8K_PROBLEMS, 256, 0.0
+    else:
+        n, new_tokens = limit or GENPPL_SAMPLES, seq_len
+        scorer = n * SCORER_PARAMS_RATIO * forward_seconds("one_stream", seq_len)
+    block = seq_len if setting.algo in ("mdlm", "duo") else max(sizes)
+    kind, calls = generation_calls(sampler, int(steps), int(ge), int(warmup), block, new_tokens)
+    work = Work(kind, n, batch, calls, scored=n if scorer else 0)
+    plan.update(sampler=sampler, block=block, scorer_s=scorer)
+    if kind == "ar":  # one token per call, cached: about one forward per sample
+        gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
+        return FullScalePlan(work, model_s=gen, what=f"{n} x {new_tokens} tokens, one per call", **plan)
+    per_call = forward_seconds(stream, (2 * block) if two_stream else block)  # a block and the committed one
+    return FullScalePlan(work, model_s=n * calls * per_call,
+                         what=f"{n} x {calls} calls of {block}-token blocks", **plan)

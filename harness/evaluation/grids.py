@@ -1,0 +1,132 @@
+"""The evaluation grids: one registry of what `blockgen sweep` and `blockgen demo` evaluate, apart from the runner.
+
+A `Grid` names a benchmark's models (training presets `<benchmark>[-embedded]-<model>`, the demo's
+presets, or the paper's releases), its likelihood and generation tasks, and the sampler x NFE x
+temperature settings; `GRIDS` holds them by name (`blockgen sweep NAME`), `grid(name)` returns one.
+The sampler variants by NFE come from `sampler_grid` (`GRID`, `pick`). The demo's grid (`demo`)
+and its samplers (`demo_samplers`, the `DEMO_*` constants) are here too: `blockgen demo` schedules
+them on its own worker pool (harness/demo.py). How a grid becomes settings and runs: harness/evaluation/sweep.py.
+
+A new grid is one entry in `GRIDS`; its models must be presets (harness/training/presets.py) or releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+from blockgen.harness.training.presets import DEMO_PRESETS
+from blockgen.harness.evaluation.sampler_grid import GRID, NFES, Variant, pick
+from blockgen.models.sampling import SamplerConfig
+
+Benchmark = Literal["owt", "tinygsm"]
+AR_RUNS = (Variant("ar_greedy", 1), Variant("ar_sample", 1))
+
+
+def _all(sampler: str, nfes: Iterable[int] = NFES) -> tuple[Variant, ...]:
+    return tuple(v for n in nfes for v in GRID[sampler][n])
+
+
+def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[Variant, ...]:
+    return tuple(pick(sampler, n) for n in nfes)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One benchmark's sweep: models x (likelihood task + generation settings)."""
+
+    benchmark: Benchmark
+    models: tuple[str, ...]
+    generation_task: str
+    likelihood_task: str | None
+    temperatures: tuple[float, ...]
+    ancestral_nfe: tuple[int, ...]
+    eipc: tuple[Variant, ...]
+    arpc: tuple[Variant, ...]
+    k_mc: int = 8
+    limit: int | None = None
+    batch_size: int = 32
+    offline: bool = False  # the embedded presets (`<benchmark>-embedded-<model>`), CPU scale
+    released: bool = False  # the paper's released checkpoints (harness/checkpoints/released.py), not this project's runs
+    demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
+    model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
+    # The likelihood settings' precision unless the sweep names one (--dtype). Full scale: bf16 autocast,
+    # which moved likelihoods by at most 1e-4 relative (docs/lm_eval.md, "bf16 against float32"); offline
+    # and CI grids: float32, in which their stored references were made.
+    likelihood_dtype: str = "float32"
+
+    def run_name(self, model: str) -> str:
+        """The model's run folder (its checkpoint, and its results folder under the results dir)."""
+        if self.released:
+            return f"released/{self.benchmark}-{model}"
+        if self.demo:
+            return model
+        return f"{self.benchmark}{'-embedded' if self.offline else ''}-{model}"
+
+
+_OWT_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
+_GSM_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix")
+_OWT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
+# OWT's ARPC: the defaults at NFE 8-32 and the paper's NFE-64 variant with GE 2.
+_OWT_ARPC = (*_defaults("arpc", (8, 16, 32)), pick("arpc", 64, 60, 2, 52))
+_FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32, likelihood_dtype="bfloat16")
+_OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, offline=True)
+
+# The demo's grid (`blockgen demo` schedules it on its own worker pool, harness/demo.py): per NFE the
+# default variant of each diffusion sampler (`nfe=N`'s pick), ARPC only with block size 1; AR greedy
+# beside the mixtures as their speed-quality reference. DEMO_MAX_GEN_TOKS: the tokens each answer may
+# take at most (5 blocks of 16): gsm8k_code gives each row the smaller of this and the room its prompt
+# leaves in the demo's 128, so a longer prompt shortens the budget instead of being cut (`budget_hits`
+# counts the rows that used all of it).
+DEMO_NFES = (4, 8, 16)
+DEMO_VARIANTS: dict[int, tuple[Variant, ...]] = {n: tuple(pick(name, n) for name in ("ancestral", "eipc", "arpc"))
+                                                 for n in DEMO_NFES}
+DEMO_MAX_GEN_TOKS = 80
+
+
+def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list[SamplerConfig]:
+    """The demo's samplers for a model (SamplerConfig): AR decoding for block size 1 alone; else every
+    NFE's variants at every temperature, ARPC where block size 1 is in the mixture, then AR greedy."""
+    ar_greedy = SamplerConfig("ar_greedy")
+    if tuple(block_sizes) == (1,):
+        return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
+    out = [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=t)
+           for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
+    return out + ([ar_greedy] if 1 in block_sizes else [])
+
+
+def sampler_label(s: SamplerConfig) -> str:
+    """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row."""
+    if s.name == "ar_greedy":
+        return s.name
+    if s.is_ar:
+        return f"{s.name}(T{s.temperature:g})"
+    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.name in ("eipc", "arpc") else ""
+    return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
+
+
+GRIDS: dict[str, Grid] = {
+    "owt": Grid("owt", _OWT_MODELS, "owt_genppl", "owt_ppl", _OWT_TEMPS, arpc=_OWT_ARPC, **_FULL),
+    "gsm8k": Grid("tinygsm", _GSM_MODELS, "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"), **_FULL),
+    "owt-embedded": Grid("owt", ("ar", "masked-mix", "uniform-mix"), "owt_genppl_embedded", "owt_ppl_embedded", (1.0,),
+                         arpc=(pick("arpc", 8),), **_OFFLINE),
+    "gsm8k-embedded": Grid("tinygsm", ("ar", "masked-16", "masked-mix"), "gsm8k_code_embedded", None, (0.1,),
+                           arpc=_defaults("arpc", (4, 8)), **_OFFLINE),
+    "released-owt": Grid("owt", ("ar", "mdlm", "duo", *_OWT_MODELS[1:]), "owt_genppl", "owt_ppl", _OWT_TEMPS,
+                         arpc=_OWT_ARPC, released=True, **_FULL),
+    "released-gsm8k": Grid("tinygsm", ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "masked-mix", "uniform-mix",
+                                       "masked-mix32", "uniform-mix32"), "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"),
+                           released=True, **_FULL),
+    "demo": Grid("tinygsm", DEMO_PRESETS, "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
+                 k_mc=8, batch_size=16, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+    # CI's gsm8k_code regression (harness/reports/outcomes.py): the demo's masked mixture stored under
+    # leaderboards/ci_gsm8k/ (--runs), its demo settings at NFE 4 (ancestral, EIPC, ARPC) and AR greedy.
+    "ci-gsm8k": Grid("tinygsm", ("gsm-masked-mix",), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=(4,), eipc=(), arpc=(),
+                     k_mc=8, limit=200, batch_size=32, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+}
+
+
+def grid(name: str) -> Grid:
+    if name not in GRIDS:
+        raise ValueError(f"no grid {name!r}; choose one of {sorted(GRIDS)}")
+    return GRIDS[name]

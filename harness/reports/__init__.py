@@ -1,0 +1,4 @@
+"""Reports: results turned into something to read or check. Leaderboard rows and tables, paired
+comparisons, plots, the static HTML page, the CI regression checks (`regression`, `outcomes`) and
+the findings across training runs.
+"""

@@ -1,0 +1,213 @@
+"""The demo's findings judged across training runs (`make demo SEEDS=3`, `blockgen demo --seeds 0 1 2`).
+
+A finding is a claim about training recipes and samplers (uniform vs masked, ARPC vs ancestral, ...),
+so one training run cannot settle it: a second run of the same recipe moves accuracies by more than
+the problems' sampling noise alone. Each finding is a paired difference A - B on the same held-out
+problems (`harness/reports/compare.py`), computed in every run, then pooled over the runs:
+
+- the mean of the runs' paired differences, with a t-interval over runs (R - 1 degrees of freedom)
+  whose variance is the larger of the runs' observed spread and the spread their within-run
+  sampling noise alone would give (so three runs that agree by chance do not make a tiny interval);
+- **resolved** when that interval excludes 0 *and* the difference has the same sign in every run;
+  otherwise unresolved, with every run's figures beside it.
+
+The mixture-bound finding (the log-sum-exp bound between the block-1 and largest-block NLLs, below
+Jensen) is checked in every run from the demo's likelihood pass. `write_findings` prints a table
+and writes `findings.json` and `findings.png` (per-run differences and the pooled interval).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from blockgen.harness.reports.compare import compare_accuracy, load_samples, mean_stderr, paired
+from blockgen.harness.evaluation.grids import demo_samplers, sampler_label
+from blockgen.models.sampling import paper_nfe_per_block
+
+
+def roles(presets) -> dict[str, str]:
+    """The first masked mixture, uniform mixture and AR model among the presets: {"masked": name, ...}."""
+    from blockgen.harness.training.presets import preset
+
+    out: dict[str, str] = {}
+    for name in presets:
+        sizes, prior = preset(name).block_sizes, preset(name).prior
+        role = "ar" if tuple(sizes) == (1,) else prior if 1 in sizes and len(sizes) > 1 else None
+        if role is not None:
+            out.setdefault(role, name)
+    return out
+
+
+@dataclass(frozen=True)
+class Finding:
+    claim: str  # the paper's claim this difference tests
+    name: str  # e.g. "uniform - masked, ancestral NFE 4, T 0.1"
+    a: tuple[str, str]  # (model, setting label) of A
+    b: tuple[str, str]
+    paper_sign: int  # +1: the paper finds A ahead, -1: B ahead, 0: no claim
+
+
+@dataclass(frozen=True)
+class Pooled:
+    finding: Finding
+    runs: list[dict]  # per run: accuracy_a, accuracy_b, difference, low, high, p_value, a_only, b_only, stderr
+    mean: float
+    low: float
+    high: float
+    same_sign: bool
+
+    @property
+    def resolved(self) -> bool:
+        return self.same_sign and (self.low > 0 or self.high < 0)
+
+    @property
+    def verdict(self) -> str:
+        if not self.resolved:
+            return "unresolved"
+        if self.finding.paper_sign == 0:
+            return "resolved"
+        return "reproduced" if (self.mean > 0) == (self.finding.paper_sign > 0) else "opposite resolved"
+
+    def to_json(self) -> dict:
+        return {"finding": asdict(self.finding), "runs": self.runs, "mean": self.mean, "low": self.low, "high": self.high,
+                "same_sign": self.same_sign, "resolved": self.resolved, "verdict": self.verdict}
+
+
+def _labels(model_sizes: dict[str, tuple[int, ...]], temperatures, nfes) -> dict[tuple, str]:
+    """(model, sampler name, NFE, temperature) -> the demo's results label of that setting."""
+    out = {}
+    for model, sizes in model_sizes.items():
+        for s in demo_samplers(sizes, tuple(temperatures), tuple(nfes)):
+            nfe = None if s.is_ar else paper_nfe_per_block(s)
+            out[(model, s.name, nfe, None if s.name == "ar_greedy" else s.temperature)] = sampler_label(s)
+    return out
+
+
+def demo_findings(presets, temperatures, nfes) -> list[Finding]:
+    """The paper's GSM8K claims as paired differences between the demo's settings (those whose
+    models are among the presets: a run without a uniform mixture has no masked-vs-uniform finding)."""
+    from blockgen.harness.training.presets import preset
+
+    role = roles(presets)
+    labels = _labels({m: preset(m).block_sizes for m in role.values()}, temperatures, nfes)
+    MASKED, UNIFORM = role.get("masked"), role.get("uniform")
+    out = []
+
+    def add(claim: str, name: str, a: tuple, b: tuple, sign: int) -> None:
+        if a in labels and b in labels:
+            out.append(Finding(claim, name, (a[0], labels[a]), (b[0], labels[b]), sign))
+
+    for t in temperatures:
+        for n in nfes:
+            add("uniform beats masked under ancestral sampling at low NFE", f"uniform - masked, ancestral NFE {n}, T {t:g}",
+                (UNIFORM, "ancestral", n, t), (MASKED, "ancestral", n, t), +1 if n <= 8 else 0)
+        for model, short in ((MASKED, "masked"), (UNIFORM, "uniform")):
+            for n in nfes:
+                for a, b, sign in (("arpc", "ancestral", +1), ("arpc", "eipc", +1), ("eipc", "ancestral", 0)):
+                    add("ARPC beats ancestral and EIPC at matched NFE", f"{short}: {a.upper() if a != 'ancestral' else a} - "
+                        f"{b.upper() if b != 'ancestral' else b}, NFE {n}, T {t:g}", (model, a, n, t), (model, b, n, t), sign)
+        for n in nfes:
+            add("masked is slightly ahead of uniform under ARPC at high NFE", f"masked - uniform, ARPC NFE {n}, T {t:g}",
+                (MASKED, "arpc", n, t), (UNIFORM, "arpc", n, t), +1 if n >= 16 else 0)
+        for model, short in ((MASKED, "masked"), (UNIFORM, "uniform")):
+            n = min(nfes)
+            add("AR greedy stays the strongest; ARPC keeps most of its accuracy", f"{short}: ARPC NFE {n} - AR greedy, T {t:g}",
+                (model, "arpc", n, t), (model, "ar_greedy", None, None), -1)
+    return out
+
+
+def pool(finding: Finding, run_dirs: list[Path]) -> Pooled:
+    from scipy.stats import t as student_t
+
+    runs = []
+    for run in run_dirs:
+        paths = [run / "results" / model / f"{label}.json" for model, label in (finding.a, finding.b)]
+        a, b = (load_samples(p) for p in paths)
+        _, va, vb = paired(a, b, "exact_match")
+        c = compare_accuracy(va, vb, a.task, "exact_match")
+        runs.append({"run": str(run), "accuracy_a": c.value_a, "accuracy_b": c.value_b, "difference": c.difference,
+                     "low": c.low, "high": c.high, "p_value": c.p_value, "a_only": c.counts["a_only"],
+                     "b_only": c.counts["b_only"], "stderr": mean_stderr([x - y for x, y in zip(va, vb)])})
+    diffs = [r["difference"] for r in runs]
+    r = len(diffs)
+    mean = sum(diffs) / r
+    between = sum((d - mean) ** 2 for d in diffs) / (r - 1)
+    within = sum(x["stderr"] ** 2 for x in runs) / r
+    half = float(student_t.ppf(0.975, r - 1)) * math.sqrt(max(between, within) / r)
+    same_sign = all(d > 0 for d in diffs) or all(d < 0 for d in diffs)
+    return Pooled(finding, runs, mean, mean - half, mean + half, same_sign)
+
+
+def bound_checks(run_dirs: list[Path]) -> list[dict]:
+    """Per run and mixture: NLL at block size 1 <= log-sum-exp bound <= NLL at the largest block, and
+    log-sum-exp <= Jensen (the demo's likelihood pass, summary.json)."""
+    out = []
+    for run in run_dirs:
+        models = json.loads((run / "summary.json").read_text())["models"]
+        for model, info in models.items():
+            nll = info.get("likelihood", {})
+            blocks = sorted((int(k.removeprefix("nll_block_")), v) for k, v in nll.items() if k.startswith("nll_block_"))
+            if len(blocks) < 2:
+                continue
+            lse, jensen = nll["nll_lse"], nll["nll_jensen"]
+            out.append({"run": str(run), "model": model, "nll_block_1": blocks[0][1], "nll_lse": lse,
+                        f"nll_block_{blocks[-1][0]}": blocks[-1][1], "nll_jensen": jensen,
+                        "between": blocks[0][1] <= lse <= blocks[-1][1], "below_jensen": lse <= jensen})
+    return out
+
+
+def _points(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def format_table(pooled: list[Pooled]) -> str:
+    r = len(pooled[0].runs) if pooled else 0
+    header = f"{'A - B (points)':<44} {'per run':>{7 * r}}  {'mean':>6} {'95% over runs':>15}  verdict"
+    lines = [header, "-" * len(header)]
+    for p in pooled:
+        per_run = "".join(f"{_points(x['difference']):>7}" for x in p.runs)
+        lines.append(f"{p.finding.name:<44} {per_run}  {_points(p.mean):>6} {_points(p.low):>7}..{_points(p.high):<6}  {p.verdict}")
+    return "\n".join(lines)
+
+
+def plot(pooled: list[Pooled], path: Path) -> None:
+    """Forest plot: each run's paired difference (dots) and the pooled interval (bar) per finding."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(pooled) + 1.2))
+    for i, p in enumerate(reversed(pooled)):
+        color = "tab:green" if p.verdict == "reproduced" else "tab:red" if p.verdict == "opposite resolved" else \
+            "tab:blue" if p.resolved else "tab:gray"
+        ax.plot([100 * p.low, 100 * p.high], [i, i], color=color, lw=3, alpha=0.6)
+        ax.scatter([100 * x["difference"] for x in p.runs], [i] * len(p.runs), color="black", s=10, zorder=3)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(pooled)), [p.finding.name for p in reversed(pooled)], fontsize=7)
+    ax.set_xlabel("A - B, accuracy points (dots: runs; bar: 95% interval over runs)")
+    ax.set_title("Findings across training runs (green: as the paper, red: opposite, grey: unresolved)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_findings(config, run_dirs: list[Path]) -> dict:
+    out = Path(config.out_dir)
+    pooled = [pool(f, run_dirs) for f in demo_findings(config.presets, config.temperatures, config.nfes)]
+    bounds = bound_checks(run_dirs)
+    doc = {"runs": [str(r) for r in run_dirs], "seeds": list(config.seeds),
+           "rule": "resolved: the t-interval over runs excludes 0 and every run's difference has the same sign",
+           "findings": [p.to_json() for p in pooled], "mixture_bound": bounds}
+    (out / "findings.json").write_text(json.dumps(doc, indent=2))
+    print(format_table(pooled))
+    for b in bounds:
+        print(f"{b['model']:<16} {b['run']}: log-sum-exp bound {b['nll_lse']:.4f} "
+              f"{'between' if b['between'] else 'outside'} the block-1 and largest-block NLLs, {'below' if b['below_jensen'] else 'above'} Jensen")
+    if pooled:
+        plot(pooled, out / "findings.png")
+    print(f"findings across {len(run_dirs)} runs: {out / 'findings.json'}" + (f", {out / 'findings.png'}" if pooled else ""))
+    return doc
