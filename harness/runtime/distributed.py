@@ -16,6 +16,7 @@ Device policy, the same for every caller:
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -106,10 +107,20 @@ def setup_distributed(device: str | None = AUTO, timeout_s: float = DEFAULT_TIME
         if not dist.is_initialized():
             backend = "nccl" if resolved.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            # Left to the interpreter's teardown, the group's threads may outlive it and abort the process
+            # ("terminate called without an active exception", exit -6) after an error was already reported.
+            atexit.register(_leave_process_group)
             if ranks.is_main:
                 print(f"blockgen: process group {backend}, {ranks.world_size} processes, timeout {timeout_s:g} s", flush=True)
     return Distributed(rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size,
                        launched=ranks.launched, device=resolved)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def decided_on_rank0(decide: Callable[[], T]) -> T:
