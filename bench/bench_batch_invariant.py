@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
+from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
 from blockgen.models.sampling import SamplerConfig, generate
 
 from bench_sampling import tiny_model  # bench/ is on sys.path when the script runs

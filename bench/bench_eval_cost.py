@@ -32,14 +32,14 @@ import torch
 
 from blockgen.harness.costs import eval_cost
 from blockgen.harness.evaluation.grids import GRIDS
-from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
+from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
 from blockgen.harness.runtime.precision import compute_precision
 from blockgen.harness.training.presets import preset
 from blockgen.models.model import BlockGen
 from blockgen.models.sampling import SamplerConfig, generate
 
 SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
-OFFLINE_GRIDS = tuple(name for name, g in GRIDS.items() if g.offline)
+OFFLINE_GRIDS = tuple(name for name, g in GRIDS.items() if g.source.cpu_scale)
 
 
 def load() -> str:
@@ -54,7 +54,7 @@ def cases(grids: list[str]) -> dict[tuple[str, int], dict]:
         g = GRIDS[name]
         cap = dict(g.model_args).get("max_gen_toks")
         for model in g.models:
-            preset_name = model if g.demo else g.run_name(model)
+            preset_name = g.run_name(model)
             budget = eval_cost.new_tokens(g.generation_task, preset(preset_name).seq_len, cap)
             out.setdefault((preset_name, g.batch_size), dict(k_mc=g.k_mc, task=g.generation_task, budget=budget))
     return out
@@ -162,17 +162,17 @@ OVERHEAD_SETTINGS = {"owt_ppl_embedded": ("owt-embedded", "masked-mix", "likelih
 
 def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict[str, float]:
     """Per task: a real sweep setting's wall seconds (`sweep._evaluate`, the model and scorer already
-    loaded, best of repeats) minus the work `sweep.estimate` prices from the rates just measured."""
+    loaded, best of repeats) minus the work `pricing.estimate` prices from the rates just measured."""
     import tempfile
 
-    from blockgen.harness.evaluation import sweep
+    from blockgen.harness.evaluation import pricing, settings, sweep
 
     out: dict[str, float] = {}
     metadata = {"scorer_model": scorer}
     with tempfile.TemporaryDirectory() as tmp:
         for task, (grid_name, model, label) in OVERHEAD_SETTINGS.items():
             g = replace(GRIDS[grid_name], limit=limit)
-            found = [s for s in sweep.settings(g, runs) if s.run == g.run_name(model) and s.label == label]
+            found = [s for s in settings.settings(g, runs) if s.run == g.run_name(model) and s.label == label]
             if not found or not (Path(found[0].checkpoint) / "config.json").is_file():
                 print(f"overhead of {task}: no checkpoint {g.run_name(model)} under {runs}; skipped")
                 continue
@@ -183,7 +183,7 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict
                 wall, _ = best(lambda: sweep._evaluate(s, g, lm, rng, pool, Path(tmp) / task, "cpu"), repeats)
             finally:
                 pool.close()
-            priced = sweep.estimate(g, s, model, metadata).seconds
+            priced = pricing.estimate(g, s, model, metadata).seconds
             out[task] = max(0.0, wall - priced)
             print(f"overhead of {task}: setting {s.run} {s.label} at limit {limit}: {wall:.2f} s wall, "
                   f"{priced:.2f} s priced work -> {out[task]:.2f} s per setting")

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 
     reqs = requests(args.requests)
     header = " | ".join(f"batch {b} tok/s" for b in args.batch_sizes)

@@ -70,7 +70,7 @@ def choices_per_seed(checkpoint: Path, k_mc: int, seeds: list[int], crn: bool) -
     """(chosen answer per question for each seed, accuracy per seed, predicted seed disagreement per seed)."""
     from lm_eval.api.instance import Instance
 
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
     from blockgen.tasks.blockgen_toy import load_mc
 
     docs = list(load_mc()["test"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockgen.harness.runtime import distributed
-from blockgen.harness.evaluation import lm_eval_adapter
+from blockgen.harness.evaluation.lm_eval_model import arguments, model as lm_eval_model
 from blockgen.harness.training import train
 from blockgen.harness.runtime.distributed import Distributed, Ranks, ranks_from_env, resolve_device, setup_distributed
 
@@ -156,14 +156,14 @@ def test_the_adapter_sets_up_through_the_one_function(no_torchrun, monkeypatch, 
         seen.append(device)
         return setup_distributed(device)
 
-    monkeypatch.setattr(lm_eval_adapter, "setup_distributed", spy)
+    monkeypatch.setattr(lm_eval_model, "setup_distributed", spy)
     gpus(monkeypatch, 0)
-    lm = lm_eval_adapter.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device="cpu")
+    lm = lm_eval_model.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device="cpu")
     assert seen == ["cpu"] and lm.device == torch.device("cpu") and (lm.rank, lm.world_size) == (0, 1)
     with caplog.at_level(logging.WARNING):
-        lm = lm_eval_adapter.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device=lm_eval_adapter.LM_EVAL_DEFAULT_DEVICE)
+        lm = lm_eval_model.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device=arguments.LM_EVAL_DEFAULT_DEVICE)
     assert seen[-1] == "cpu" and lm.device == torch.device("cpu")
     assert "CUDA is not available; using the CPU" in caplog.text
     with pytest.raises(ValueError, match="sees no GPU"):  # asked for by name: no silent fallback
-        lm_eval_adapter.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device="cuda")
+        lm_eval_model.BlockGenLM(pretrained=str(STORED_CHECKPOINT), device="cuda")
     assert seen[-1] == "cuda"

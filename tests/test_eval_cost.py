@@ -1,5 +1,5 @@
 """Evaluation precision and cost: the adapter's `dtype` / `tf32` model arguments (harness/runtime/precision.py)
-and `blockgen sweep --dry-run`'s cost lines (harness/costs/eval_cost.py, harness/evaluation/sweep.py).
+and `blockgen sweep --dry-run`'s cost lines (harness/costs/eval_cost.py, harness/evaluation/pricing.py).
 
 - `dtype` takes lm-eval's names and refuses others naming the choices; the default (float32) gives
   bit for bit what the model gives with no precision context at all (the code before the option),
@@ -27,7 +27,7 @@ import torch
 
 from blockgen.harness import cli
 from blockgen.harness.costs import eval_cost
-from blockgen.harness.evaluation import sweep
+from blockgen.harness.evaluation import pricing, settings
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.runtime.precision import compute_precision
 
@@ -57,7 +57,7 @@ def ckpt(tmp_path_factory) -> Path:
 def _lm(path: Path, **kwargs):
     from lm_eval.api.registry import get_model
 
-    import blockgen.harness.evaluation.lm_eval_adapter  # noqa: F401  registers the model type
+    import blockgen.harness.evaluation.lm_eval_model.model  # noqa: F401  registers the model type
 
     return get_model("blockgen")(pretrained=str(path), device="cpu", batch_size=4, seed=3, **kwargs)
 
@@ -75,7 +75,8 @@ GEN = [("the cat", {"until": [], "max_gen_toks": 16}), ("one plus", {"until": []
 def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
     from lm_eval.api.registry import get_model
 
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLMArgs  # also registers the model type
+    import blockgen.harness.evaluation.lm_eval_model.model  # noqa: F401  registers the model type
+    from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs
 
     assert BlockGenLMArgs.parse({"pretrained": "x"}).dtype == "float32"
     assert BlockGenLMArgs.parse({"pretrained": "x", "dtype": torch.bfloat16}).dtype == "bfloat16"
@@ -94,7 +95,7 @@ def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
 def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
     from dataclasses import asdict
 
-    from blockgen.harness.evaluation.lm_eval_adapter import Window, derive_seed, score_windows
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, derive_seed, score_windows
     from blockgen.models.sampling import SamplerConfig, generate
 
     default, explicit, auto = _lm(ckpt), _lm(ckpt, dtype="float32"), _lm(ckpt, dtype="auto")
@@ -184,8 +185,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     from blockgen.models.sampling import SamplerConfig, calls_per_block
 
     g = GRIDS["gsm8k-embedded"]
-    todo = {(s.run, s.label): s for s in sweep.settings(g)}
-    price = sweep.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
+    todo = {(s.run, s.label): s for s in settings.settings(g)}
+    price = pricing.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
     seconds, what = price.seconds, price.what
     per_block = calls_per_block(SamplerConfig("arpc", steps=6, ge=3, warmup=0, block_size=16), 16)
     # 16 problems in full batches (one batch per setting, per-row budgets inside it), a budget of
@@ -196,7 +197,7 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     extra = 16 * eval_cost.CPU_SANDBOX_PROGRAM_S + eval_cost.CPU_SETTING_OVERHEAD_S["gsm8k_code_embedded"]
     assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
     demo = GRIDS["demo"]  # a max_gen_toks cap: full batches of the capped budget
-    what = sweep.estimate(demo, next(s for s in sweep.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
+    what = pricing.estimate(demo, next(s for s in settings.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
                                      and s.run == "gsm-masked-mix"), "gsm-masked-mix").what
     assert f"500 rows / {demo.batch_size} per call x {4 * 80 // 16} sampler calls" in what
     assert eval_cost.Work("likelihood", 16, 8, eval_cost.likelihood_passes((1, 16), 2)).batched_calls == 2 * 3
@@ -232,11 +233,11 @@ def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores
 def test_sweep_precision_reaches_every_setting_and_its_own_folders():
     from blockgen.harness.evaluation.sweep import SweepConfig
 
-    plain = sweep.settings(SweepConfig("gsm8k-embedded").resolved_grid())
+    plain = settings.settings(SweepConfig("gsm8k-embedded").resolved_grid())
     assert all("dtype" not in dict(s.extra) for s in plain)  # float32: settings (and rerun keys) as before
-    assert sweep.settings(SweepConfig("gsm8k-embedded", dtype="auto").resolved_grid()) == plain
+    assert settings.settings(SweepConfig("gsm8k-embedded", dtype="auto").resolved_grid()) == plain
     g = SweepConfig("gsm8k-embedded", dtype="bfloat16", tf32=True).resolved_grid()
-    bf16 = sweep.settings(g)
+    bf16 = settings.settings(g)
     assert len(bf16) == len(plain)
     for a, b in zip(plain, bf16):
         assert b.label == a.label + "-bfloat16-tf32"  # never the float32 results' folder
@@ -254,13 +255,13 @@ def test_full_scale_likelihoods_default_to_bf16_and_generation_stays_float32():
     within 1e-4 relative); their sampling, and every offline/CI grid, stays float32."""
     from blockgen.harness.evaluation.sweep import SweepConfig
 
-    full = sweep.settings(SweepConfig("owt").resolved_grid())
-    likelihood = [s for s in full if s.variant is None]
+    full = settings.settings(SweepConfig("owt").resolved_grid())
+    likelihood = [s for s in full if s.sampler is None]
     assert likelihood and all(dict(s.extra)["dtype"] == "bfloat16" and s.label == "likelihood-bfloat16" for s in likelihood)
-    assert all("dtype" not in dict(s.extra) for s in full if s.variant is not None)
-    assert all("dtype" not in dict(s.extra) for s in sweep.settings(SweepConfig("owt-embedded").resolved_grid()))
+    assert all("dtype" not in dict(s.extra) for s in full if s.sampler is not None)
+    assert all("dtype" not in dict(s.extra) for s in settings.settings(SweepConfig("owt-embedded").resolved_grid()))
     for asked in ("float32", "auto"):  # an explicit float32 wins: the float32 code path, its own folders
-        assert all("dtype" not in dict(s.extra) for s in sweep.settings(SweepConfig("owt", dtype=asked).resolved_grid()))
+        assert all("dtype" not in dict(s.extra) for s in settings.settings(SweepConfig("owt", dtype=asked).resolved_grid()))
     text = io.StringIO()
     with redirect_stdout(text):
         assert cli.main(["sweep", "owt", "--dry-run"]) == 0

@@ -290,7 +290,7 @@ def _check_run(out: Path, task: str, n: int) -> dict:
     assert isinstance(metrics["exact_match_stderr,sandbox"], float)
     assert results["n-samples"][task]["effective"] == n
     usage = results["config"]["blockgen"]["tasks"][task]["generate_until"]
-    from blockgen.harness.evaluation.usage import merge_budgets
+    from blockgen.harness.evaluation.lm_eval_model.usage import merge_budgets
 
     (settings,) = merge_budgets(usage["settings"])  # rows whose prompts leave less room than max_gen_toks differ
     assert settings["max_gen_toks"] == 32 and metrics["budget_hits,sandbox"] <= n

@@ -301,7 +301,7 @@ def test_plot_writes_the_accuracy_and_genppl_figures(tmp_path):
 def test_settings_that_differ_only_in_their_budget_make_one_row():
     """gsm8k_code gives each row the room its prompt leaves: the adapter reports one settings record
     per budget; they merge (counts summed, calls per block recomputed), other settings stay apart."""
-    from blockgen.harness.evaluation.usage import merge_budgets
+    from blockgen.harness.evaluation.lm_eval_model.usage import merge_budgets
 
     base = {"sampler": "arpc", "steps": 3, "ge": 2, "warmup": 1, "temperature": 0.1, "block_size": 16,
             "layout": "grid", "paper_nfe_per_block": 4}

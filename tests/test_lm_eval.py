@@ -114,7 +114,7 @@ def _requests(kind: str, args: list[tuple]):
 
 
 def test_windows_score_each_target_token_once():
-    from blockgen.harness.evaluation.lm_eval_adapter import windows
+    from blockgen.harness.evaluation.lm_eval_model.scoring import windows
 
     context, target = [100, 101, 102], list(range(150))
     ws = windows(context, target, 64)
@@ -126,7 +126,7 @@ def test_windows_score_each_target_token_once():
 
 def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
     """A window scored in a padded batch == BlockGen.nll_bounds on the window alone, same draws; LSE >= Jensen."""
-    from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
     from blockgen.models.diffusion import RowStreams
 
     model, tok = load_checkpoint(ckpts["mixture"])
@@ -149,7 +149,7 @@ def test_score_matches_nll_bounds_and_lse_beats_jensen(ckpts):
 
 def test_score_does_not_depend_on_padding(ckpts):
     """Padding is invisible: two pad ids give identical numbers, window lengths on and off the block grid."""
-    from blockgen.harness.evaluation.lm_eval_adapter import Window, score_windows
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
     ids = tok.encode("the old fox likes the box . one plus four is five . the dog sees the cat", add_special_tokens=False)
@@ -263,7 +263,7 @@ def test_bad_model_args_name_the_choices(ckpts, tmp_path):
 
 
 def test_batch_size_auto_on_cpu_is_the_documented_default(ckpts):
-    from blockgen.harness.evaluation.lm_eval_adapter import AUTO_BATCH_SIZE_CPU
+    from blockgen.harness.evaluation.lm_eval_model.model import AUTO_BATCH_SIZE_CPU
 
     for value in ("auto", "auto:4"):
         assert _lm(ckpts["mixture"], batch_size=value, max_batch_size=64).batch_size == AUTO_BATCH_SIZE_CPU
@@ -313,7 +313,7 @@ def _budget_requests(budgets: list[int], task: str = "toy_budgets"):
 
 def _counting_generate(monkeypatch) -> list[dict]:
     """Record every call of `generate` the adapter makes: its rows' budgets, seeds and generated ids."""
-    import blockgen.harness.evaluation.lm_eval_adapter as adapter
+    import blockgen.harness.evaluation.lm_eval_model.model as adapter
 
     calls, real = [], adapter.generate
 
@@ -337,7 +337,7 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
     (its seed derives from its own settings, budget included); one usage record for the setting."""
     from dataclasses import asdict, replace
 
-    from blockgen.harness.evaluation.lm_eval_adapter import derive_seed
+    from blockgen.harness.evaluation.lm_eval_model.scoring import derive_seed
 
     calls = _counting_generate(monkeypatch)
     lm = _lm(ckpts["mixture"], batch_size=1, gen_batch_size=4, seed=1, steps=2, batch_invariant=False)
@@ -400,7 +400,7 @@ def test_ignore_eos_generates_the_whole_budget_and_agrees_up_to_eos(ckpts, monke
 def test_compile_model_argument_reaches_generate(ckpts, monkeypatch):
     """--model_args compile=True (lm-eval's parsing) makes every generate call compile; a non-bool is
     refused. That compiled generation equals eager is tests/test_graphs.py's."""
-    import blockgen.harness.evaluation.lm_eval_adapter as adapter
+    import blockgen.harness.evaluation.lm_eval_model.model as adapter
     from lm_eval.api.registry import get_model
 
     seen, real = [], adapter.generate
@@ -509,7 +509,8 @@ def test_mc_stderr_is_a_calibrated_error_bar_and_crn_shrinks_differences(ckpts):
     """The delta-method MC standard error matches the spread of the bound over seeds (conservatively:
     the draws are stratified), and two choices of one context differ with a smaller error than their
     own errors combined (common random numbers)."""
-    from blockgen.harness.evaluation.lm_eval_adapter import RequestScore, Window, paired_mc_stderr, score_windows
+    from blockgen.harness.evaluation.lm_eval_model.mc_error import RequestScore, paired_mc_stderr
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
 
     model, tok = load_checkpoint(ckpts["mixture"])
     context = [special_tokens(tok).bos, *tok.encode("the happy dog chases the", add_special_tokens=False)]
@@ -546,6 +547,31 @@ def test_use_cache_is_keyed_by_checkpoint(ckpts, tmp_path):
     db = sqlite3.connect(cache + "_rank0.db")
     tables = [t for (t,) in db.execute("select name from sqlite_master where type='table'") if t.startswith("blockgen-")]
     assert [db.execute(f'select count(*) from "{t}"').fetchone()[0] for t in tables] == [3, 3]  # one table per checkpoint
+
+
+@pytest.mark.parametrize("former", ["blockgen.harness.lm_eval_adapter", "blockgen.harness.evaluation.lm_eval_adapter"])
+def test_usage_stored_by_an_earlier_version_still_loads(former, tmp_path, monkeypatch):
+    """A --use_cache file keeps each task's `Usage` pickled under the module it lived in then; the usage
+    table's decoder finds it at its home today, with its figures, through SqliteDict as the model reads it."""
+    import types
+
+    from sqlitedict import SqliteDict
+
+    from blockgen.harness.evaluation.lm_eval_model.usage import Usage, load_stored_usage
+
+    then = types.ModuleType(former)  # the class as an earlier version defined it, at its module path then
+    then.Usage = type("Usage", (), {"__module__": former})
+    monkeypatch.setitem(sys.modules, former, then)
+    stored = then.Usage()
+    stored.__dict__.update(Usage().__dict__)
+    stored.counts["toy", "loglikelihood"].update(requests=3)
+    with SqliteDict(str(tmp_path / "cache.db"), tablename="usage-x", autocommit=True) as db:
+        db["key"] = stored
+    monkeypatch.delitem(sys.modules, former)  # that module is gone today
+    with SqliteDict(str(tmp_path / "cache.db"), tablename="usage-x", decode=load_stored_usage) as db:
+        loaded = db["key"]
+    assert type(loaded) is Usage
+    assert Usage.merge([loaded]).report()["toy"]["loglikelihood"]["requests"] == 3
 
 
 # ------------------------------------------------------------------------------ the real commands

@@ -102,7 +102,7 @@ def validation(run_dir: Path) -> dict:
 
 
 def needs_windows_api():
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 
     if not hasattr(BlockGenLM, "loglikelihood_windows"):
         pytest.skip("the adapter has no BlockGenLM.loglikelihood_windows yet (issue 10: exact token windows "

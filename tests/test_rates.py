@@ -25,7 +25,7 @@ import pytest
 from blockgen.harness.checkpoints import checkpoint
 from blockgen.harness import cli
 from blockgen.harness.costs import rates
-from blockgen.harness.evaluation import sweep
+from blockgen.harness.evaluation import pricing, settings, sweep
 from blockgen.harness.costs.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
 
 TOTAL = re.compile(r"total: .*, ([0-9.]+) h \(([0-9.]+) GPU-h at measured rates \((.*)\) \+ ([0-9.]+) H200-h FLOP bound "
@@ -176,7 +176,7 @@ def test_which_file_prices_a_sweep(tmp_path):
     assert rates.rate_source(user=user).path == user
     owt = sweep.SweepConfig("owt", runs=str(tmp_path / "runs"))
     assert owt.rate_source(owt.resolved_grid()).path == user
-    sharded = replace(owt, shard=sweep.Shard(0, 2))  # every job of a sharded sweep prices alike
+    sharded = replace(owt, shard=pricing.Shard(0, 2))  # every job of a sharded sweep prices alike
     source = sharded.rate_source(sharded.resolved_grid())
     assert source.path == rates.STORED_RATES and "sharded" in source.note
     with pytest.raises(ValueError, match="--rates prices full-scale grids; grid owt-embedded"):
@@ -243,8 +243,8 @@ def test_progress_bar_is_weighted_by_the_priced_costs(tmp_path, monkeypatch):
     config = sweep.SweepConfig("owt", runs=str(tmp_path / "runs"), out_dir=str(tmp_path / "out"), models=("ar", "masked-mix"))
     report = sweep.run_sweep(config)
     g = config.resolved_grid()
-    todo = sweep.settings(g, config.runs)
-    costs = sweep.priced(g, todo, config.metadata, rates.read_rates(rates.STORED_RATES))
+    todo = settings.settings(g, config.runs)
+    costs = pricing.priced(g, todo, config.metadata, rates.read_rates(rates.STORED_RATES))
     assert (report.skipped, report.ran) == (1, len(todo) - 1) and todo[0].label == "likelihood-bfloat16"
     (bar,) = bars
     assert bar.updates == costs[1:]  # each setting as the dry run prices it, in the order they ran

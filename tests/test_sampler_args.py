@@ -6,17 +6,20 @@ The model is the stored CI checkpoint (a masked mixture of block sizes 1 and 16,
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM, BlockGenLMArgs, sampler_model_args
+from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, sampler_model_args
+from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 from blockgen.harness.evaluation.sampler_grid import GRID
 from blockgen.harness.evaluation.grids import demo_samplers
 from blockgen.models.sampling import SamplerConfig
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"
+REPO = Path(__file__).resolve().parents[1]
+CHECKPOINT = REPO / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def samplers() -> list[SamplerConfig]:
     """The demo's samplers of a mixture with block size 1, every variant of the paper's grid, explicit
     block sizes, AR decoding, and a generation budget other than the default."""
     out = demo_samplers((1, 16), (1.0, 0.1), (4, 8, 16))
-    out += [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=0.7)
+    out += [v.as_sampler(0.7)
             for by_nfe in GRID.values() for n in (4, 8, 16) for v in by_nfe[n]]
     out += [SamplerConfig("eipc", steps=8, ge=2, warmup=1, temperature=0.5, block_size=16),
             SamplerConfig("ancestral", steps=4, block_size=16), SamplerConfig("ar_sample", temperature=0.3),
@@ -53,9 +56,21 @@ def test_sampler_round_trips_through_the_adapters_model_args(lm):
     assert checked > 40
 
 
-def test_model_args_name_only_what_the_sampler_reads():
-    assert sampler_model_args(SamplerConfig("ar_greedy", temperature=0.5)) == {"sampler": "ar_greedy"}
-    assert sampler_model_args(SamplerConfig("ar_sample", temperature=0.5)) == {"sampler": "ar_sample", "temperature": 0.5}
-    assert sampler_model_args(SamplerConfig("ancestral", steps=8)) == {"sampler": "ancestral", "steps": 8, "temperature": 1.0}
+def test_model_args_are_one_spelling_of_a_setting():
+    """Every field written (ge, warmup for ancestral too), AR as one token per call: the spelling the sweep's
+    results records and CI's stored outcomes (leaderboards/ci_gsm8k/outcomes.json) are keyed by."""
+    assert sampler_model_args(SamplerConfig("ar_greedy", temperature=0.5)) == {
+        "sampler": "ar_greedy", "steps": 1, "ge": 1, "warmup": 0, "temperature": 0.5}
+    assert sampler_model_args(SamplerConfig("ar_sample", steps=7, temperature=0.5)) == {
+        "sampler": "ar_sample", "steps": 1, "ge": 1, "warmup": 0, "temperature": 0.5}
+    assert sampler_model_args(SamplerConfig("ancestral", steps=8)) == {
+        "sampler": "ancestral", "steps": 8, "ge": 1, "warmup": 0, "temperature": 1.0}
     assert sampler_model_args(SamplerConfig("arpc", steps=6, ge=3, warmup=1, temperature=0.1, block_size=16)) == {
         "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 1, "temperature": 0.1, "block_size": 16}
+    assert sampler_model_args(SamplerConfig("ancestral", steps=4, layout="prompt_end"))["layout"] == "prompt_end"
+    stored = json.loads((REPO / "leaderboards" / "ci_gsm8k" / "outcomes.json").read_text())["settings"]
+    for setting in stored:  # the stored spelling is this one
+        args = {k: v for k, v in setting["model_args"].items() if k not in ("k_mc", "max_gen_toks")}
+        steps, ge, warmup = (args[k] for k in ("steps", "ge", "warmup"))
+        sampler = SamplerConfig(args["sampler"], steps=steps, ge=ge, warmup=warmup, temperature=args["temperature"])
+        assert sampler_model_args(sampler) == args

@@ -10,7 +10,7 @@ import pytest
 
 from blockgen.harness import cli
 from blockgen.harness.evaluation.sampler_grid import GRID, pick
-from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+from blockgen.models.sampling import paper_nfe_per_block
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,7 +21,7 @@ def test_every_variant_has_the_nfe_it_is_listed_under():
         for nfe, variants in by_nfe.items():
             assert len(set(variants)) == len(variants)
             for v in variants:
-                config = SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup)
+                config = v.as_sampler()
                 assert v.sampler == sampler and paper_nfe_per_block(config) == nfe, v
                 if sampler == "arpc":  # appendix D, written out
                     assert v.steps + (v.steps - 1 - v.warmup) // v.ge + 1 == nfe

@@ -30,8 +30,10 @@ import pytest
 from blockgen.harness import cli
 from blockgen.harness.evaluation import sweep
 from blockgen.harness.evaluation.sampler_grid import Variant
-from blockgen.harness.evaluation.grids import GRIDS, Grid
-from blockgen.harness.evaluation.sweep import Setting, SweepConfig, families, run_sweep, settings
+from blockgen.harness.evaluation.grids import GRIDS, Grid, ModelSource
+from blockgen.harness.evaluation import settings as grid_settings
+from blockgen.harness.evaluation.settings import Setting, families, settings
+from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,21 +70,21 @@ def test_full_scale_eval_is_one_launch_for_every_model(target, grid):
 
 def test_greedy_runs_once_whatever_the_temperature():
     g = GRIDS["owt"]
-    ar = [s for s in settings(g) if s.run == "owt-ar" and s.variant is not None]
-    greedy = [s for s in ar if s.variant.sampler == "ar_greedy"]
-    sampled = [s for s in ar if s.variant.sampler == "ar_sample"]
+    ar = [s for s in settings(g) if s.run == "owt-ar" and s.sampler is not None]
+    greedy = [s for s in ar if s.sampler.name == "ar_greedy"]
+    sampled = [s for s in ar if s.sampler.name == "ar_sample"]
     assert len(greedy) == 1 and greedy[0].temperature == g.temperatures[0]
     assert sorted(s.temperature for s in sampled) == sorted(g.temperatures)
     # the per-process grid's count, less the 7 repeated greedy runs
     assert len(settings(g)) == len(g.models) + sum(
-        len(sweep.variants(g, sweep.model_block_sizes(g, m, ""))) * len(g.temperatures) for m in g.models) - 7
+        len(grid_settings.samplers(g, grid_settings.model_block_sizes(g, m, ""))) * len(g.temperatures) for m in g.models) - 7
 
 
 def test_sampler_families_follow_block_sizes():
     assert families((1,)) == ("ar",)
     assert families((1, 16)) == ("arpc",) and families((1, 2, 4, 8, 16)) == ("arpc",)
     assert families((16,)) == families((1024,)) == ("ancestral", "eipc")
-    s = Setting("r", "ckpt", "t", Variant("arpc", 6, 3, 0), 1.0)
+    s = Setting("r", "ckpt", "t", Variant("arpc", 6, 3, 0).as_sampler(1.0))
     assert s.label == "arpc-6-3-0-T1.0"  # the per-process Makefile's results folder
     assert s.model_args(2) == {"pretrained": "ckpt", "k_mc": 2, "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 0,
                                "temperature": 1.0}
@@ -112,7 +114,7 @@ def work(tmp_path_factory) -> Path:
 def test_with_settings_generates_what_a_fresh_model_generates(work):
     import torch
 
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 
     ckpt = str(work / "runs" / "owt-embedded-mix" / "checkpoint")
     prompts = ["The", "In a module", ""]
@@ -151,7 +153,7 @@ def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work
     temperatures = (0.8, 1.0, 1.2)
     monkeypatch.setitem(GRIDS, "test-genppl", Grid(
         "owt", ("mix",), "owt_genppl_embedded", None, temperatures, ancestral_nfe=(), eipc=(),
-        arpc=(Variant("arpc", 3, 2, 1),), k_mc=2, limit=2, batch_size=2, offline=True))
+        arpc=(Variant("arpc", 3, 2, 1),), k_mc=2, limit=2, batch_size=2, source=ModelSource.EMBEDDED))
     metadata = {"scorer": "vllm", "scorer_model": str(work / "scorer"), "scorer_vllm_python": python, "num_samples": 2}
     config = SweepConfig("test-genppl", runs=str(work / "runs"), metadata=metadata, progress=False)
     report = run_sweep(config)
@@ -201,7 +203,7 @@ def test_seed_seeds_as_lm_eval_does_and_is_recorded(work):
     assert sweep_cli("--seed", "5")["ran"] == 2  # likelihood and ARPC at T = 1
     assert recorded() == {(5, 5, 5, 5, 5, 5)}
     g = replace(GRIDS["owt-embedded"], models=("mix",), limit=2, k_mc=1)  # the command's
-    (s,) = [s for s in settings(g, str(work / "runs")) if s.variant is None]
+    (s,) = [s for s in settings(g, str(work / "runs")) if s.sampler is None]
     sha = json.loads(next((out / s.run / s.label).glob("*/results_*.json")).read_text())["config"]["model_sha"]
     assert sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 5))
     assert not sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 6))

@@ -35,7 +35,10 @@ from blockgen.harness.evaluation import sweep
 from blockgen.harness.runtime.distributed import decided_on_rank0
 from blockgen.harness.costs.eval_cost import Price
 from blockgen.harness.evaluation.grids import GRIDS
-from blockgen.harness.evaluation.sweep import Shard, SweepConfig, priced, run_sweep, settings, split
+from blockgen.harness.evaluation import pricing
+from blockgen.harness.evaluation.pricing import Shard, priced, split
+from blockgen.harness.evaluation.settings import settings
+from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
 from limits import HANG_S
 from test_sweep import BIN, ENV, REPO, work  # noqa: F401  (work: the trained micro mixture and scorer)
 
@@ -87,9 +90,9 @@ def test_an_unpriced_setting_counts_as_the_median_price(monkeypatch):
     g = GRIDS["owt-embedded"]
     todo = settings(g, "/nonexistent")[:5]
     prices = iter([None, 1.0, 2.0, None, 10.0])
-    monkeypatch.setattr(sweep, "estimate", lambda *args: Price(next(prices), ""))
+    monkeypatch.setattr(pricing, "estimate", lambda *args: Price(next(prices), ""))
     assert priced(g, todo) == [2.0, 1.0, 2.0, 2.0, 10.0]
-    monkeypatch.setattr(sweep, "estimate", lambda *args: Price(None, ""))
+    monkeypatch.setattr(pricing, "estimate", lambda *args: Price(None, ""))
     assert priced(g, todo) == [1.0] * 5  # nothing priced: every setting counts the same
 
 
@@ -243,7 +246,7 @@ def test_keep_going_records_a_failure_runs_the_others_and_a_rerun_retries_it(wor
     real = sweep._evaluate
 
     def broken_likelihood(s, *args, **kw):
-        if s.variant is None:
+        if s.sampler is None:
             raise RuntimeError("broken on purpose")
         return real(s, *args, **kw)
 

@@ -15,7 +15,7 @@ import inspect
 from pathlib import Path
 
 MODEL_NAME = "blockgen"
-ADAPTER = "blockgen.harness.evaluation.lm_eval_adapter:BlockGenLM"
+ADAPTER = "blockgen.harness.evaluation.lm_eval_model.model:BlockGenLM"
 TASKS_PACKAGE = "blockgen.tasks"
 
 

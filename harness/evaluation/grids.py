@@ -13,6 +13,7 @@ A new grid is one entry in `GRIDS`; its models must be presets (harness/training
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Iterable, Literal
 
 from blockgen.harness.training.presets import DEMO_PRESETS
@@ -31,6 +32,20 @@ def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[Variant, ...]:
     return tuple(pick(sampler, n) for n in nfes)
 
 
+class ModelSource(str, Enum):
+    """Where a grid's models come from, and so how their run folders are named and their cost priced."""
+
+    RUNS = "runs"  # this project's full-scale training runs: RUNS/<benchmark>-<model>
+    EMBEDDED = "embedded"  # the embedded presets, trained offline on a CPU: RUNS/<benchmark>-embedded-<model>
+    RELEASED = "released"  # the paper's releases (harness/checkpoints/released.py), converted when they load
+    DEMO = "demo"  # `blockgen demo`'s presets: RUNS/<model>, samplers `demo_samplers`
+
+    @property
+    def cpu_scale(self) -> bool:
+        """Models small enough for a CPU: priced in CPU-seconds from measured CPU rates."""
+        return self in (ModelSource.EMBEDDED, ModelSource.DEMO)
+
+
 @dataclass(frozen=True)
 class Grid:
     """One benchmark's sweep: models x (likelihood task + generation settings)."""
@@ -46,9 +61,7 @@ class Grid:
     k_mc: int = 8
     limit: int | None = None
     batch_size: int = 32
-    offline: bool = False  # the embedded presets (`<benchmark>-embedded-<model>`), CPU scale
-    released: bool = False  # the paper's released checkpoints (harness/checkpoints/released.py), not this project's runs
-    demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
+    source: ModelSource = ModelSource.RUNS
     model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
     # The likelihood settings' precision unless the sweep names one (--dtype). Full scale: bf16 autocast,
     # which moved likelihoods by at most 1e-4 relative (docs/lm_eval.md, "bf16 against float32"); offline
@@ -57,11 +70,11 @@ class Grid:
 
     def run_name(self, model: str) -> str:
         """The model's run folder (its checkpoint, and its results folder under the results dir)."""
-        if self.released:
+        if self.source is ModelSource.RELEASED:
             return f"released/{self.benchmark}-{model}"
-        if self.demo:
+        if self.source is ModelSource.DEMO:
             return model
-        return f"{self.benchmark}{'-embedded' if self.offline else ''}-{model}"
+        return f"{self.benchmark}{'-embedded' if self.source is ModelSource.EMBEDDED else ''}-{model}"
 
 
 _OWT_MODELS = ("ar", "masked-16", "uniform-16", "masked-mix", "uniform-mix", "masked-mix-flat", "uniform-mix-flat")
@@ -70,7 +83,7 @@ _OWT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
 # OWT's ARPC: the defaults at NFE 8-32 and the paper's NFE-64 variant with GE 2.
 _OWT_ARPC = (*_defaults("arpc", (8, 16, 32)), pick("arpc", 64, 60, 2, 52))
 _FULL = dict(ancestral_nfe=NFES, eipc=_all("eipc"), k_mc=8, batch_size=32, likelihood_dtype="bfloat16")
-_OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, offline=True)
+_OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, limit=16, batch_size=8, source=ModelSource.EMBEDDED)
 
 # The demo's grid (`blockgen demo` schedules it on its own worker pool, harness/demo.py): per NFE the
 # default variant of each diffusion sampler (`nfe=N`'s pick), ARPC only with block size 1; AR greedy
@@ -90,7 +103,7 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
     ar_greedy = SamplerConfig("ar_greedy")
     if tuple(block_sizes) == (1,):
         return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
-    out = [SamplerConfig(v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=t)
+    out = [v.as_sampler(t)
            for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
     return out + ([ar_greedy] if 1 in block_sizes else [])
 
@@ -113,16 +126,16 @@ GRIDS: dict[str, Grid] = {
     "gsm8k-embedded": Grid("tinygsm", ("ar", "masked-16", "masked-mix"), "gsm8k_code_embedded", None, (0.1,),
                            arpc=_defaults("arpc", (4, 8)), **_OFFLINE),
     "released-owt": Grid("owt", ("ar", "mdlm", "duo", *_OWT_MODELS[1:]), "owt_genppl", "owt_ppl", _OWT_TEMPS,
-                         arpc=_OWT_ARPC, released=True, **_FULL),
+                         arpc=_OWT_ARPC, source=ModelSource.RELEASED, **_FULL),
     "released-gsm8k": Grid("tinygsm", ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "masked-mix", "uniform-mix",
                                        "masked-mix32", "uniform-mix32"), "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"),
-                           released=True, **_FULL),
+                           source=ModelSource.RELEASED, **_FULL),
     "demo": Grid("tinygsm", DEMO_PRESETS, "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
-                 k_mc=8, batch_size=16, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+                 k_mc=8, batch_size=16, source=ModelSource.DEMO, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
     # CI's gsm8k_code regression (harness/reports/outcomes.py): the demo's masked mixture stored under
     # leaderboards/ci_gsm8k/ (--runs), its demo settings at NFE 4 (ancestral, EIPC, ARPC) and AR greedy.
     "ci-gsm8k": Grid("tinygsm", ("gsm-masked-mix",), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=(4,), eipc=(), arpc=(),
-                     k_mc=8, limit=200, batch_size=32, offline=True, demo=True, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+                     k_mc=8, limit=200, batch_size=32, source=ModelSource.DEMO, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
 }
 
 

@@ -32,6 +32,13 @@ class Variant(NamedTuple):
         """steps:ge:warmup, as the Makefile's grids write a variant."""
         return f"{self.steps}:{self.ge}:{self.warmup}"
 
+    def as_sampler(self, temperature: float = 1.0):
+        """The variant as the one sampler-setting type, `SamplerConfig` (imported here, not at the top:
+        `blockgen variants` stays free of torch)."""
+        from blockgen.models.sampling import SamplerConfig
+
+        return SamplerConfig(self.sampler, steps=self.steps, ge=self.ge, warmup=self.warmup, temperature=temperature)
+
 
 def _variants(sampler: str, specs: str) -> tuple[Variant, ...]:
     return tuple(Variant(sampler, *map(int, s.split(":"))) for s in specs.split())

@@ -7,11 +7,9 @@
     blockgen sweep owt --runs runs --device cuda --shard 3/8 --keep-going   # job 3 of 8 independent jobs
 
 A grid (`GRIDS` in harness/evaluation/grids.py, the one home of the evaluation grids; the variants by NFE come
-from `sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings. Per model:
-the likelihood task once, then per sampler family (`families`: AR decoding for block size 1 alone,
-ARPC for mixtures with block size 1, ancestral and EIPC otherwise) every variant at every
-temperature. Settings that decode the same way are run once (`ar_greedy` does not read the
-temperature: it runs at the grid's first one).
+from `sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings; its settings
+are listed by harness/evaluation/settings.py and priced by harness/evaluation/pricing.py (the dry run,
+`--shard I/N`, the progress bar's weights).
 
 Per checkpoint the process loads the model once and evaluates every setting on it through lm-eval's
 Python API (`lm_eval.simple_evaluate`), switching the sampler with `BlockGenLM.with_settings`; the torch
@@ -25,17 +23,8 @@ setting, checkpoint hash, limit, task metadata and seed. Under torchrun the sett
 without a shared file system run the same settings. The demo's grid (`demo`) is in the same registry;
 `blockgen demo` runs it on its own worker pool (harness/demo.py imports `demo_samplers`).
 
-Prices (`estimate`, harness/costs/eval_cost.py): offline grids in CPU-seconds from measured CPU rates; full-scale
-grids in hours at the measured seconds per batched call of a rates file (harness/costs/rates.py: `--rates FILE`,
-else `make gpu-check`'s RUNS/gpu-check/rates.json from a GPU, else the stored H100 rates), in each setting's
-precision, with the FLOP bound (derived H200-hours) where the file has no rate and beside every line. The
-dry run prints them; the progress bar of a run is weighted by them (`_Progress`), so its ETA follows the
-work rather than the count of settings.
-
-Several jobs: `--shard I/N` runs job I's share of the grid (`split`: the settings priced as the dry run
-prices them, `priced`, an unpriced one at the median price, dealt longest first to the least loaded of N
-jobs, the same split in every job: a sharded sweep prices with `--rates` or the stored rates, never with
-a gpu-check rates file one machine happens to have). The jobs need no process group with each other (each may be its own
+Several jobs: `--shard I/N` runs job I's share of the grid (split by price: harness/evaluation/pricing.py).
+The jobs need no process group with each other (each may be its own
 torchrun group) and write into the same results folders a single sweep would, so any job's rerun skips
 what another finished; `--dry-run --shard I/N` lists that job's settings and cost. `blockgen leaderboard
 collect ROOT...` builds one leaderboard from their results. `--keep-going`: a setting that raises leaves
@@ -57,283 +46,20 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source
+from blockgen.harness.evaluation.grids import GRIDS, Grid, ModelSource, grid
+from blockgen.harness.evaluation.pricing import SHARD_FORM, Shard, dry_run, headline_price, priced, split
+from blockgen.harness.evaluation.settings import GENPPL_TASKS, Setting, checkpoint_of, settings
 from blockgen.harness.runtime.distributed import decided_on_rank0, ranks_from_env, setup_distributed
-from blockgen.harness.costs.eval_cost import Price
-from blockgen.harness.evaluation.grids import AR_RUNS, GRIDS, Grid, demo_samplers, grid
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
-from blockgen.harness.training.presets import PRESETS, preset
-from blockgen.harness.costs.rates import Rates, RateSource, full_scale_price, gpu_check_rates, precision_label, rate_source
-from blockgen.harness.evaluation.sampler_grid import Variant
-
-LIKELIHOOD = "likelihood"
-GENPPL_TASKS = ("owt_genppl", "owt_genppl_embedded")
-
-
-# ------------------------------------------------------------------------------ settings
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One lm-eval run: a task on a checkpoint with one sampler variant and temperature (likelihood:
-    no sampler)."""
-
-    run: str  # the model's run name (Grid.run_name)
-    checkpoint: str  # pretrained=
-    task: str
-    variant: Variant | None = None
-    temperature: float | None = None
-    extra: tuple[tuple[str, Any], ...] = ()  # the grid's further model arguments
-
-    @property
-    def label(self) -> str:
-        """The setting's results folder: sampler-steps-ge-warmup-T<temperature>, or 'likelihood'."""
-        extra = dict(self.extra)
-        precision = "".join(f"-{x}" for x in (extra.get("dtype"), "tf32" if extra.get("tf32") else None) if x)
-        if self.variant is None:
-            return LIKELIHOOD + precision
-        return f"{self.variant.sampler}-{self.variant.spec().replace(':', '-')}-T{self.temperature}{precision}"
-
-    def model_args(self, k_mc: int) -> dict[str, Any]:
-        """The blockgen `--model_args`, as the per-process Makefile command passed them."""
-        args: dict[str, Any] = {"pretrained": self.checkpoint, "k_mc": k_mc}
-        if self.variant is not None:
-            v = self.variant
-            args.update(sampler=v.sampler, steps=v.steps, ge=v.ge, warmup=v.warmup, temperature=self.temperature)
-        return {**args, **dict(self.extra)}
-
-    def key(self, k_mc: int) -> str:
-        """What decides the results: greedy AR decoding does not read the temperature."""
-        args = self.model_args(k_mc)
-        if args.get("sampler") == "ar_greedy":
-            args.pop("temperature")
-        return json.dumps([self.task, args], sort_keys=True)
-
-
-def families(block_sizes: tuple[int, ...]) -> tuple[str, ...]:
-    """The samplers the paper runs on a model: AR decoding (block size 1 alone), ARPC (a mixture with
-    block size 1), else ancestral and EIPC (single block sizes, MDLM, Duo)."""
-    if tuple(block_sizes) == (1,):
-        return ("ar",)
-    if 1 in block_sizes:
-        return ("arpc",)
-    return ("ancestral", "eipc")
-
-
-def variants(g: Grid, block_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
-    if g.demo:
-        return tuple(dict.fromkeys(Variant(s.name, 1) if s.is_ar else Variant(s.name, s.steps, s.ge, s.warmup)
-                                   for s in demo_samplers(block_sizes, g.temperatures[:1], g.ancestral_nfe)))
-    out: list[Variant] = []
-    for family in families(block_sizes):
-        out += {"ar": AR_RUNS, "arpc": g.arpc, "eipc": g.eipc,
-                "ancestral": tuple(Variant("ancestral", n) for n in g.ancestral_nfe)}[family]
-    return tuple(out)
-
-
-def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
-    """From the checkpoint when it exists, else from the preset (or the release's path) it will come from."""
-    if not g.released and (Path(checkpoint) / "config.json").is_file():
-        from blockgen.harness.checkpoints.checkpoint import read_config
-
-        return tuple(read_config(checkpoint).block_sizes)
-    if g.released:
-        from blockgen.harness.checkpoints.released import DATASETS, RELEASES, parse_release_path
-
-        setting = parse_release_path(RELEASES[f"{g.benchmark}-{model}"])
-        if setting.block_sizes:
-            return tuple(setting.block_sizes)
-        return (1,) if setting.algo == "ar" else (DATASETS[setting.dataset].seq_len,)
-    return tuple(preset(model if g.demo else g.run_name(model)).block_sizes)
-
-
-def checkpoint_of(g: Grid, model: str, runs: str) -> str:
-    if g.released:
-        from blockgen.harness.checkpoints.released import release_spec
-
-        return release_spec(f"{g.benchmark}-{model}")
-    return str(Path(runs) / g.run_name(model) / "checkpoint")
-
-
-def likelihood_args(g: Grid) -> tuple[tuple[str, Any], ...]:
-    """The likelihood setting's model arguments: the grid's, with its likelihood precision unless they
-    name a dtype (a sweep's --dtype) or it is float32 (no dtype argument: the float32 code path)."""
-    if "dtype" in dict(g.model_args) or DTYPES[check_dtype(g.likelihood_dtype)] == DTYPES["float32"]:
-        return g.model_args
-    return (*g.model_args, ("dtype", g.likelihood_dtype))
-
-
-def settings(g: Grid, runs: str = "runs") -> list[Setting]:
-    """Every setting of a grid, deduplicated (the first of equal settings is kept), per model:
-    likelihood first, then variant by variant, each at every temperature."""
-    out: dict[str, Setting] = {}
-    for model in g.models:
-        run, ckpt = g.run_name(model), checkpoint_of(g, model, runs)
-        todo = [Setting(run, ckpt, g.likelihood_task, extra=likelihood_args(g))] if g.likelihood_task else []
-        todo += [Setting(run, ckpt, g.generation_task, v, t, g.model_args)
-                 for v in variants(g, model_block_sizes(g, model, ckpt)) for t in g.temperatures]
-        for s in todo:
-            out.setdefault(s.key(g.k_mc), s)
-    return list(out.values())
-
-
-# ------------------------------------------------------------------------------ cost
-
-
-def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rates: Rates | None = None) -> Price:
-    """One setting's price (`eval_cost.Price`). Full-scale grids (`eval_cost.plan_cost`: this project's presets
-    are the paper's networks): GPU-seconds at the MEASURED rates of `rates` (harness/costs/rates.py) in the setting's
-    precision, the FLOP bound (derived H200-seconds) where the file has no rate and beside it; without
-    `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`eval_cost.CPU_RATES`).
-    `seconds` is None where no rate applies."""
-    from blockgen.harness.costs import eval_cost
-    from blockgen.harness.checkpoints.released import RELEASES
-    from blockgen.harness.costs.eval_cost import plan_cost
-
-    run = LIKELIHOOD if s.variant is None else f"{s.variant.sampler}:{s.variant.spec()}"
-    name = f"{g.benchmark}-{model}"
-    if not g.offline and name in RELEASES:
-        plan = plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
-        if rates is None:
-            return Price(plan.bound, f"{plan.what}; {plan.work.batched_calls} batched calls; no rates file: FLOP bound",
-                         plan.bound, derived=plan.bound)
-        extra = dict(s.extra)
-        return full_scale_price(plan, precision_label(extra.get("dtype"), bool(extra.get("tf32"))), rates)
-    preset_name = model if g.demo else g.run_name(model)
-    if preset_name not in PRESETS:  # a run trained under --runs with settings of its own: no rate applies
-        return Price(None, "not a preset: no measured rate")
-    config = preset(preset_name)
-    sizes = model_block_sizes(g, model, s.checkpoint)
-    rows = eval_cost.offline_rows(s.task, g.limit, metadata or {})
-    batch = g.batch_size
-    if s.variant is None:
-        kind, calls = "likelihood", eval_cost.likelihood_passes(sizes, g.k_mc)
-    else:
-        v, cap = s.variant, dict(g.model_args).get("max_gen_toks")
-        budget = eval_cost.new_tokens(s.task, config.seq_len, cap)
-        kind, calls = eval_cost.generation_calls(v.sampler, v.steps, v.ge, v.warmup, max(sizes), budget)
-    if rows is None:
-        return Price(None, f"all chunks x {calls} passes (count from the data: give --limit)")
-    work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
-    rate, note = eval_cost.cpu_rate(preset_name, batch)
-    seconds = eval_cost.cpu_seconds(work, rate, s.task) if rate else None
-    return Price(seconds, work.describe() + (f"; {note}" if note else ""))
-
-
-def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None, source: RateSource | None = None) -> float:
-    """One line per setting with its price, a subtotal per model and the total, the pricing's assumptions
-    and (full scale) the rates file named in the header; returns the total headline seconds (CPU offline;
-    full scale: at the measured rates of `source`, the FLOP bound where it has none)."""
-    from blockgen.harness.costs.eval_cost import CPU_ASSUMPTIONS, CPU_RATES_MEASURED, FULL_SCALE_ASSUMPTIONS
-
-    out = out or sys.stdout
-    rates = source.rates if source else None
-    models = {g.run_name(m): m for m in g.models}
-    loads = len({s.run for s in todo})  # the models with a setting to run (a shard's may be fewer)
-    print(f"# blockgen sweep: {len(todo)} settings on {loads} models, each model loaded once", file=out)
-    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.offline else FULL_SCALE_ASSUMPTIONS), file=out)
-    if source is not None:
-        print(f"# rates: {source.describe()}", file=out)
-    extra = dict(g.model_args)
-    precision = extra.get("dtype", "float32") + (" + TF32" if extra.get("tf32") else "")
-    if "dtype" not in extra and g.likelihood_task and dict(likelihood_args(g)).get("dtype"):
-        precision += f", likelihoods {g.likelihood_dtype} (the grid's default)"
-    print(f"# precision of this sweep: {precision} (--dtype, --tf32); "
-          + ("rates measured in float32" if g.offline else "each setting priced at its own precision's rates; "
-             "the FLOP bound assumes bf16 matmuls"), file=out)
-    total, bound, derived, unpriced = 0.0, 0.0, 0.0, 0
-    per_model: dict[str, list[float]] = {}
-    for s in todo:
-        price = estimate(g, s, models[s.run], metadata, rates)
-        seconds = price.seconds or 0.0
-        total, bound, derived = total + seconds, bound + (price.bound or 0.0), derived + price.derived
-        unpriced += price.seconds is None
-        sub = per_model.setdefault(s.run, [0, 0.0, 0.0])
-        sub[0], sub[1], sub[2] = sub[0] + 1, sub[1] + seconds, sub[2] + (price.bound or 0.0)
-        t = "" if s.temperature is None else f"T={s.temperature}"
-        beside = "" if g.offline else f"  (bound {_hours(price.bound, 'H200')})"
-        print(f"{s.run}  {s.task}  {s.label if s.variant else LIKELIHOOD}  {t}  {_cost(price.seconds, g.offline)}{beside}"
-              f"  ({price.what})", file=out)
-    for run, (n, sub, sub_bound) in per_model.items():
-        beside = "" if g.offline else f" (bound {_hours(sub_bound, 'H200')})"
-        print(f"# model {run}: {n} settings, {_cost(sub, g.offline)}{beside}", file=out)
-    head = f"total: {len(todo)} settings, {loads} model loads, {_cost(total, g.offline)}"
-    if g.offline:
-        kind = "from measured CPU rates"
-    else:
-        device = rates.device if rates else "no rates file"
-        kind = (f"{_hours(total - derived, 'GPU')} at measured rates ({device}) + {_hours(derived, 'H200')} "
-                f"FLOP bound where no rate was measured; FLOP bound of all: {_hours(bound, 'H200')}, derived")
-    print(f"{head} ({kind}" + (f"; {unpriced} settings not priced" if unpriced else "") + ")", file=out)
-    return total
-
-
-def _cost(seconds: float | None, offline: bool) -> str:
-    """A headline price: CPU-seconds offline; full scale, hours: GPU-hours at measured rates plus the FLOP
-    bound's H200-hours where no rate was measured (the total says how much of each)."""
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f} CPU-s" if offline else f"{seconds / 3600:.3f} h"
-
-
-def _hours(seconds: float | None, unit: str) -> str:
-    return "-" if seconds is None else f"{seconds / 3600:.3f} {unit}-h"
-
-
-# ------------------------------------------------------------------------------ shards
-
-SHARD_FORM = "I/N: job I of N independent jobs, 0 <= I < N (e.g. 0/8 ... 7/8)"
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Job `index` of `count` independent jobs that split a grid's settings between them (`--shard I/N`)."""
-
-    index: int
-    count: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"shard {self.index}/{self.count}: expected {SHARD_FORM}")
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
-
-
-def priced(g: Grid, todo: list[Setting], metadata: dict | None = None, rates: Rates | None = None) -> list[float]:
-    """Each setting's cost as the dry run prices it (`estimate`): what the shards are split by and the
-    progress bar is weighted by. A setting without a price counts as the median of the priced ones (1 when
-    none is): unknown work is spread over the shards like typical work, where 0 would pile every unpriced
-    setting onto one shard."""
-    models = {g.run_name(m): m for m in g.models}
-    seconds = [estimate(g, s, models[s.run], metadata, rates).seconds for s in todo]
-    known = [x for x in seconds if x is not None]
-    fill = statistics.median(known) if known else 1.0
-    return [fill if x is None else x for x in seconds]
-
-
-def split(costs: Sequence[float], count: int) -> list[int]:
-    """The shard of each setting, balanced by cost: longest processing time first (costliest first, equal
-    costs in grid order), each to the shard with the least cost so far (the lowest index among equals).
-    Deterministic, so every job computes the same split on its own and no job talks to another."""
-    loads = [0.0] * count
-    owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # sorted is stable: grid order among equals
-        k = min(range(count), key=loads.__getitem__)  # min keeps the first: the lowest index
-        owner[i] = k
-        loads[k] += costs[i]
-    return owner
-
-
-# ------------------------------------------------------------------------------ running
+from blockgen.harness.training.presets import PRESETS
 
 
 @dataclass
@@ -364,11 +90,11 @@ class SweepConfig:
         g = grid(self.grid)
         if self.models is not None:
             def runnable(m: str) -> bool:  # outside the grid: a preset (owt's blockgen-b1) or a run trained under --runs
-                return not g.released and (g.run_name(m) in PRESETS or (Path(checkpoint_of(g, m, self.runs)) / "config.json").is_file())
+                return g.source is not ModelSource.RELEASED and (g.run_name(m) in PRESETS or (Path(checkpoint_of(g, m, self.runs)) / "config.json").is_file())
 
             unknown = sorted(m for m in self.models if m not in g.models and not runnable(m))
             if unknown:
-                others = "" if g.released else f"; or a preset or a run under {self.runs} named {g.run_name('MODEL')}"
+                others = "" if g.source is ModelSource.RELEASED else f"; or a preset or a run under {self.runs} named {g.run_name('MODEL')}"
                 raise ValueError(f"grid {self.grid} has no models {unknown}; choose from {list(g.models)}{others}")
             g = replace(g, models=tuple(self.models))
         for name in ("temperatures", "limit", "k_mc", "batch_size"):
@@ -388,7 +114,7 @@ class SweepConfig:
         """The rates file of a full-scale grid (`rates.rate_source`: --rates, else RUNS/gpu-check/rates.json of
         a GPU run, else the stored rates); offline grids keep their CPU rates. A sharded sweep never picks up
         gpu-check's file by itself: every job must split alike."""
-        if g.offline:
+        if g.source.cpu_scale:
             if self.rates:
                 raise ValueError(f"--rates prices full-scale grids; grid {self.grid} is priced from the measured CPU "
                                  "rates of harness/costs/eval_cost.py (CPU_RATES)")
@@ -528,7 +254,7 @@ def _load_model(setting: Setting, g: Grid, device: str, seed: int | None = None)
     """The model as a fresh `lm_eval` process builds it (seeded first), and the torch random state after."""
     import torch
 
-    from blockgen.harness.evaluation.lm_eval_adapter import BlockGenLM
+    from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 
     # what a fresh `lm_eval --seed` process seeds torch with before building it (the adapter's seed)
     torch.manual_seed(lm_eval_seeds(seed)["torch_random_seed"])
@@ -558,7 +284,7 @@ def run_sweep(config: SweepConfig) -> SweepReport:
         mine = [i for i, k in enumerate(owner) if k == config.shard.index]
         if config.dry_run:
             print(f"# shard {config.shard}: {len(mine)} of the grid's {len(todo)} settings, "
-                  f"{_cost(sum(costs[i] for i in mine), g.offline)} of {_cost(sum(costs), g.offline)} "
+                  f"{headline_price(sum(costs[i] for i in mine), g.source.cpu_scale)} of {headline_price(sum(costs), g.source.cpu_scale)} "
                   "(split by priced cost, longest first; an unpriced setting counts as the median price)")
         todo, costs = [todo[i] for i in mine], [costs[i] for i in mine]
     if config.dry_run:
@@ -662,22 +388,22 @@ class _Progress:
 def _require_checkpoints(g: Grid, todo: list[Setting]) -> None:
     """Every checkpoint of the sweep is there before the first model loads: a missing one is a model
     not trained yet, said in one line with the command that trains it."""
-    if g.released:  # releases are fetched and converted when they load
+    if g.source is ModelSource.RELEASED:  # releases are fetched and converted when they load
         return
     missing = list(dict.fromkeys(s.checkpoint for s in todo if not (Path(s.checkpoint) / "config.json").is_file()))
     if not missing:
         return
     first = next(s for s in todo if s.checkpoint == missing[0])
     more = f" (and {len(missing) - 1} more of the grid's models)" if len(missing) > 1 else ""
-    make = "make demo, which trains them into runs/demo" if g.demo else \
-        f"make train-{g.benchmark}{' OFFLINE=1' if g.offline else ''}, which trains the grid's models"
+    make = "make demo, which trains them into runs/demo" if g.source is ModelSource.DEMO else \
+        f"make train-{g.benchmark}{' OFFLINE=1' if g.source is ModelSource.EMBEDDED else ''}, which trains the grid's models"
     raise ValueError(f"no checkpoint in {missing[0]}{more}: train first: blockgen train --preset {first.run} "
                      f"--out-dir {Path(missing[0]).parent} (or {make})")
 
 
 def _resolved(checkpoint: str, g: Grid) -> Path | str:
     """A release converted once into a checkpoint folder (the tasks read `pretrained` from their metadata)."""
-    if not g.released:
+    if g.source is not ModelSource.RELEASED:
         return checkpoint
     from blockgen.harness.checkpoints.released import resolve
 

@@ -35,7 +35,7 @@ def evaluate_embedded(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from blockgen.harness.evaluation.lm_eval_adapter import sampler_model_args
+    from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_model_args
     from blockgen.lm_eval import register, tasks_dir
 
     register()  # idempotent; this process may not have the start-up hook
@@ -76,7 +76,7 @@ def report(out: dict) -> dict:
     """The demo's summary of one `simple_evaluate` result of the task."""
     metrics = {k.split(",")[0]: v for k, v in out["results"][TASK].items() if "," in k}
     usage = out["config"]["blockgen"]["tasks"][TASK]["generate_until"]
-    from blockgen.harness.evaluation.usage import merge_budgets
+    from blockgen.harness.evaluation.lm_eval_model.usage import merge_budgets
 
     (settings,) = merge_budgets(usage["settings"])  # one sampler per run (rows' budgets may differ)
     n = out["n-samples"][TASK]["effective"]

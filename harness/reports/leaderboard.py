@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from blockgen.harness.evaluation.usage import merge_budgets
+from blockgen.harness.evaluation.lm_eval_model.usage import merge_budgets
 
 SCHEMA = "blockgen-leaderboard"
 VERSION = 1

@@ -131,7 +131,7 @@ def run_settings(runs: str | Path, out_dir: str | Path, limit: int, progress: bo
 
 def collect(runs: str | Path, results: str | Path, limit: int | None) -> dict[str, SettingOutcomes]:
     """label -> outcomes of every grid setting found under a results root (settings not run are absent)."""
-    from blockgen.harness.evaluation.sweep import settings
+    from blockgen.harness.evaluation.settings import settings
 
     g = _grid(limit)
     out = {}
