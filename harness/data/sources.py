@@ -51,7 +51,7 @@ from blockgen.harness.checkpoints.hub import HubUnavailableError, file_id, hub_c
 from blockgen.harness.checkpoints.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
 from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY, difficulty
 
-WORDPROBLEMS = "wordproblems"  # the generated word problems (harness/data/wordproblems.py)
+WORDPROBLEMS = "wordproblems"  # the generated word problems (harness/data/wordproblems/)
 LOCAL_TOKENIZER = "local"  # a BPE trained on the source's own training text
 SOURCES = (WORDPROBLEMS, "tinygsm", "owt", "text")
 # Values renamed when "embedded" stopped naming four things. Stored configs still spell them the old
