@@ -35,6 +35,7 @@ JSON object per sample).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -48,7 +49,7 @@ from blockgen.harness.runtime.distributed import ranks_from_env
 from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
 from blockgen.tasks.model_info import checkpoint_tokenizer, model_max_length, model_path
 from blockgen.tasks.owt import YamlClassTask
-from blockgen.tasks.sandbox import SandboxConfig, SandboxResult, extract_code, run_many
+from blockgen.tasks.sandbox import ENTRY_POINT, SandboxConfig, SandboxResult, run_many
 
 GSM8K_HUB = ("openai/gsm8k", "main", "test")
 EMBEDDED_SEED = 0
@@ -172,6 +173,67 @@ class ZeroShot(ContextSampler):
             raise ValueError(f"gsm8k_code tasks are zero-shot (the model sees [BOS] question SEP, as in training); "
                              f"got --num_fewshot {n}: run without --num_fewshot (or with 0)")
         return []
+
+
+# ------------------------------------------------------------------------------ programs
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+_CODE_START = re.compile(
+    r"(?:async\s+)?def\s+\w+\s*\(|class\s+\w+|import\s+\w|from\s+[\w.]+\s+import\b|@\w"
+)
+# Top-level lines that may follow the function: more code, a call, an assignment, a comment.
+_TOP_LEVEL = re.compile(
+    r"(?:async\s+def|def|class|import|if|for|while|with|try|except|finally|else|elif|assert)\b"
+    r"|from\s+[\w.]+\s+import\b|@|#|[A-Za-z_][\w.]*\s*(?:=[^=]|\(|\[|[-+*/%]=)"
+)
+
+
+def extract_code(completion: str, entry_point: str = ENTRY_POINT) -> str:
+    """The Python program in a model completion, without leading or trailing prose.
+
+    Takes the fenced block that defines `entry_point` (or the first fenced block, or the whole
+    text), starts at the first line that opens code, stops at the first top-level line that does
+    not look like code (or at a second definition of `entry_point`), then drops trailing
+    top-level statements until the rest parses.
+    """
+    text = completion.replace("\r\n", "\n")
+    blocks = _FENCE.findall(text)
+    if blocks:
+        text = next((b for b in blocks if f"def {entry_point}" in b), blocks[0])
+    lines = text.split("\n")
+    start = next((i for i, line in enumerate(lines) if _CODE_START.match(line)), None)
+    if start is None:
+        return text.strip() + "\n"
+    kept: list[str] = []
+    defined = False
+    for line in lines[start:]:
+        if re.match(rf"(?:async\s+)?def\s+{re.escape(entry_point)}\b", line):
+            if defined:  # the model went on to the next problem
+                break
+            defined = True
+        if not line.strip() or line[0] in " \t" or _TOP_LEVEL.match(line):
+            kept.append(line)
+        else:
+            break
+    # Candidate ends: before each top-level line (longest first), so prose that slipped
+    # through the line filter is cut off at a statement boundary.
+    ends = [len(kept)] + [
+        i for i in range(len(kept) - 1, 0, -1) if kept[i].strip() and kept[i][0] not in " \t"
+    ]
+    for end in ends[:64]:  # bounded: each try parses the whole prefix
+        code = "\n".join(kept[:end]).rstrip() + "\n"
+        if _parses(code):
+            return code
+    return "\n".join(kept).rstrip() + "\n"
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------ scoring

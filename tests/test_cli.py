@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCKGEN = Path(sys.executable).parent / "blockgen"
 # Programs that are not command lines of this project: the sandbox's pid 1 (its text runs in the
 # sandbox) and `python -m blockgen.lm_eval`, lm-eval's own command with the model registered.
-OTHER_PROGRAMS = {REPO / "tasks" / "sandbox_child.py", REPO / "blockgen" / "lm_eval" / "__main__.py"}
+OTHER_PROGRAMS = {REPO / "tasks" / "sandbox" / "child.py", REPO / "blockgen" / "lm_eval" / "__main__.py"}
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

