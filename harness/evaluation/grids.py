@@ -47,7 +47,7 @@ class Grid:
     limit: int | None = None
     batch_size: int = 32
     offline: bool = False  # the embedded presets (`<benchmark>-embedded-<model>`), CPU scale
-    released: bool = False  # the paper's released checkpoints (harness/checkpoints/released.py), not this project's runs
+    released: bool = False  # the paper's released checkpoints (harness/checkpoints/release_catalogue.py), not this project's runs
     demo: bool = False  # `blockgen demo`'s grid: models are its presets, samplers `demo_samplers`
     model_args: tuple[tuple[str, Any], ...] = ()  # more blockgen model arguments for every setting
     # The likelihood settings' precision unless the sweep names one (--dtype). Full scale: bf16 autocast,

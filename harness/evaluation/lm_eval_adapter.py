@@ -122,7 +122,7 @@ class BlockGenLMArgs:
     # inductor on a CPU; the same tokens as eager, tests/test_graphs.py). Off by default: compiling
     # costs minutes on a CPU and pays only over many calls.
     compile: bool = False
-    # Released checkpoints only (harness/checkpoints/released.py): the tokenizer (a local copy, or for releases
+    # Released checkpoints only (harness/checkpoints/release_import.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
     algo: str | None = None
@@ -513,7 +513,8 @@ class BlockGenLM(TemplateLM):
             args = replace(args, seed=torch.initial_seed())
         self.args = args
         # A release is converted once into a checkpoint directory (cached); its source is reported.
-        from blockgen.harness.checkpoints.released import ReleaseOverrides, release_source, resolve
+        from blockgen.harness.checkpoints.release_import import release_source, resolve
+        from blockgen.harness.checkpoints.release_paths import ReleaseOverrides
 
         overrides = ReleaseOverrides.from_model_args(args.algo, args.prior, args.block_sizes, args.block_weights,
                                                      args.x0_causal, args.tokenizer)

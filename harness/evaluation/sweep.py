@@ -146,7 +146,8 @@ def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
 
         return tuple(read_config(checkpoint).block_sizes)
     if g.released:
-        from blockgen.harness.checkpoints.released import DATASETS, RELEASES, parse_release_path
+        from blockgen.harness.checkpoints.release_catalogue import RELEASES
+        from blockgen.harness.checkpoints.release_paths import DATASETS, parse_release_path
 
         setting = parse_release_path(RELEASES[f"{g.benchmark}-{model}"])
         if setting.block_sizes:
@@ -157,7 +158,7 @@ def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
 
 def checkpoint_of(g: Grid, model: str, runs: str) -> str:
     if g.released:
-        from blockgen.harness.checkpoints.released import release_spec
+        from blockgen.harness.checkpoints.release_catalogue import release_spec
 
         return release_spec(f"{g.benchmark}-{model}")
     return str(Path(runs) / g.run_name(model) / "checkpoint")
@@ -195,7 +196,7 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`eval_cost.CPU_RATES`).
     `seconds` is None where no rate applies."""
     from blockgen.harness.costs import eval_cost
-    from blockgen.harness.checkpoints.released import RELEASES
+    from blockgen.harness.checkpoints.release_catalogue import RELEASES
     from blockgen.harness.costs.eval_cost import plan_cost
 
     run = LIKELIHOOD if s.variant is None else f"{s.variant.sampler}:{s.variant.spec()}"
@@ -679,7 +680,7 @@ def _resolved(checkpoint: str, g: Grid) -> Path | str:
     """A release converted once into a checkpoint folder (the tasks read `pretrained` from their metadata)."""
     if not g.released:
         return checkpoint
-    from blockgen.harness.checkpoints.released import resolve
+    from blockgen.harness.checkpoints.release_import import resolve
 
     return resolve(checkpoint)
 
