@@ -42,7 +42,7 @@ from blockgen.harness.evaluation import sample, sampler_grid, scorers, sweep
 from blockgen.harness.reports.compare import CompareError, compare, format_comparison
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
-from blockgen.harness.gpu_check import GpuCheckConfig
+from blockgen.harness.gpu_check.config import GpuCheckConfig
 from blockgen.harness.reports.leaderboard import LeaderboardError
 from blockgen.harness.reports.page import build_page
 from blockgen.harness.reports.plots import plot_all
@@ -327,7 +327,8 @@ def _hub_check(args: argparse.Namespace) -> int:
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
-    from blockgen.harness.gpu_check import run_gpu_check, summary_table
+    from blockgen.harness.gpu_check.check import run_gpu_check
+    from blockgen.harness.gpu_check.summary import summary_table
 
     summary = run_gpu_check(from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"}))
     print(json.dumps(summary, indent=2))

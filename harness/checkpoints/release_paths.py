@@ -186,7 +186,6 @@ class ReleaseOverrides:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "tokenizer"}
 
 
-
 def merge_overrides(setting: ReleaseSetting, overrides: ReleaseOverrides, source: str, problem: str | None = None) -> ReleaseSetting:
     """The path's setting completed by the overrides; `problem`: why the path broke the layout."""
     values = asdict(setting)
