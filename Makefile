@@ -340,7 +340,7 @@ eval-gsm8k: setup
 # grids (`blockgen sweep released-owt|released-gsm8k`, harness/evaluation/sweep.py) on the authors' models, loaded
 # as pretrained=hf:jdeschena/blockgen/<subfolder> (converted once, cached; BLOCKGEN_RELEASE_DIR=DIR and
 # HF_HUB_OFFLINE=1 read a local copy). Model names are this project's (MODELS_*_RELEASED); their
-# subfolders live in harness/checkpoints/released.py (`blockgen released names`). Full scale only (GPU and hub).
+# subfolders live in harness/checkpoints/release_catalogue.py (`blockgen released names`). Full scale only (GPU and hub).
 # DRY_RUN=1 prints each setting with its derived H200-hours and runs nothing (`make -n` shows the
 # commands; neither touches the network).
 RELEASE_REPO := jdeschena/blockgen

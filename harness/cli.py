@@ -21,9 +21,9 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/evaluation/sample.py, sweep.py, outcomes.py, regression.py, released.py, scorers.py,
-sampler_grid.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and the modules
-above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
+and `run(args)` (harness/evaluation/sample.py, sweep.py, outcomes.py, regression.py, scorers.py, sampler_grid.py,
+harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
+the modules above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 
 from blockgen.harness.reports import leaderboard, outcomes, regression
-from blockgen.harness.checkpoints import released
+from blockgen.harness.checkpoints import release_catalogue
 from blockgen.harness.evaluation import sample, sampler_grid, scorers, sweep
 from blockgen.harness.reports.compare import CompareError, compare, format_comparison
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
-from blockgen.harness.gpu_check import GpuCheckConfig
+from blockgen.harness.gpu_check.config import GpuCheckConfig
 from blockgen.harness.reports.leaderboard import LeaderboardError
 from blockgen.harness.reports.page import build_page
 from blockgen.harness.reports.plots import plot_all
@@ -139,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
     hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
-    released.add_import_arguments(_mounted(sub, "import", "convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
+    release_catalogue.add_import_arguments(_mounted(sub, "import", "convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
                                            "Convert the paper's released checkpoints once into checkpoint folders (cached)."))
-    released.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
+    release_catalogue.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
                                    "The paper's released checkpoints. A grid's cost on them: `blockgen sweep released-owt --dry-run`."))
     sweep.build_parser(_mounted(sub, "sweep", "a benchmark's sampler x NFE x temperature grid, one model load per checkpoint",
                                 sweep.__doc__))
@@ -327,7 +327,8 @@ def _hub_check(args: argparse.Namespace) -> int:
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
-    from blockgen.harness.gpu_check import run_gpu_check, summary_table
+    from blockgen.harness.gpu_check.check import run_gpu_check
+    from blockgen.harness.gpu_check.summary import summary_table
 
     summary = run_gpu_check(from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"}))
     print(json.dumps(summary, indent=2))
@@ -353,7 +354,7 @@ def _demo(args: argparse.Namespace) -> int:
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "demo": _demo, "presets": _presets, "gpu-check": _gpu_check, "train-scorer": _train_scorer,
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
-    "sample": sample.run, "import": released.run_import, "released": released.run, "sweep": sweep.run,
+    "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
     "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": scorers.run,
     "variants": sampler_grid.run,
 }

@@ -20,12 +20,12 @@ LENGTH_ARGS = ("max_length", "max_model_len")
 
 def model_path(metadata: dict[str, Any]) -> str | None:
     """``pretrained`` as the model loads it: a released checkpoint (``hf:jdeschena/blockgen/...`` or its
-    folder, `blockgen.harness.checkpoints.released`) is converted (once, cached) into a checkpoint directory, as
+    folder, `blockgen.harness.checkpoints.release_import`) is converted (once, cached) into a checkpoint directory, as
     the blockgen adapter does; anything else is returned as given. None when no model is named."""
     pretrained = metadata.get("pretrained")
     if not pretrained:
         return None
-    from blockgen.harness.checkpoints.released import is_release_spec, resolve_model_args
+    from blockgen.harness.checkpoints.release_import import is_release_spec, resolve_model_args
 
     return str(resolve_model_args(metadata)) if is_release_spec(str(pretrained)) else str(pretrained)
 

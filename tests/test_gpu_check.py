@@ -14,9 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockgen.harness import cli, gpu_check
+from blockgen.harness import cli
 from blockgen.harness.evaluation import scorers
-from blockgen.harness.gpu_check import CPU_SCALE, GPU_SCALE, GpuCheckConfig, run_gpu_check
+from blockgen.harness.gpu_check import check, command_stages
+from blockgen.harness.gpu_check.check import run_gpu_check
+from blockgen.harness.gpu_check.config import (
+    CPU_SCALE,
+    DEFAULT_BUDGET_S,
+    GPU_SCALE,
+    STAGES,
+    TRAIN_BLOCK_SIZES,
+    TRAIN_BLOCK_WEIGHTS,
+    Budget,
+    GpuCheckConfig,
+)
+from blockgen.harness.gpu_check.summary import stage_failed, stage_status, summary_table
+from blockgen.harness.gpu_check.train_stage import stage_train
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.training.presets import preset
 from blockgen.harness.costs.rates import TrainRate, read_rates, training_tokens_per_s
@@ -80,7 +93,7 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
     assert "the ddp stage's checkpoint" in lm_eval["model"]  # no second training run
 
     budget = summary["budget"]  # the whole default budget, split over the stages run
-    assert budget["budget_s"] == gpu_check.DEFAULT_BUDGET_S and sum(budget["shares"].values()) == pytest.approx(1.0)
+    assert budget["budget_s"] == DEFAULT_BUDGET_S and sum(budget["shares"].values()) == pytest.approx(1.0)
     for name, r in summary["stages"].items():
         assert r["share"] == budget["shares"][name] and r["share_s"] == pytest.approx(r["share"] * budget["budget_s"])
         assert budget["used_s"][name] == r["stage_seconds"] and "truncated" not in r
@@ -103,7 +116,7 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
 def test_the_command_prints_one_table(cli_run):
     """After the JSON (stdout), the table on stderr: one line per stage with its status, share and key figure."""
     summary, stderr, _ = cli_run
-    table = gpu_check.summary_table(summary)
+    table = summary_table(summary)
     assert table in stderr
     lines = table.splitlines()
     assert lines[0].split() == ["stage", "status", "seconds", "share", "key", "figure"]
@@ -117,7 +130,7 @@ def test_a_failing_stage_does_not_lose_the_others(tmp_path, monkeypatch):
     def broken(*args):
         raise RuntimeError("generate broke")
 
-    monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, "generate", broken)
+    monkeypatch.setitem(check.STAGE_FUNCTIONS, "generate", broken)
     config = GpuCheckConfig(out_dir=str(tmp_path), device="cpu", stages=("generate", "train"), priors=("masked",),
                             micro_batches=(2, -1), steps=1)
     summary = run_gpu_check(config)
@@ -138,13 +151,13 @@ def test_gpu_mode_plan():
     assert scale.micro_batches == (32,)  # the OWT presets' micro-batch per GPU (`TrainConfig.micro_batch`)
     assert preset("owt-masked-mix").micro_batch == 32
     assert GRIDS["owt"].batch_size in scale.generate_batches and (min(scale.generate_batches), max(scale.generate_batches)) == (1, 64)
-    assert (gpu_check.TRAIN_BLOCK_SIZES, gpu_check.TRAIN_BLOCK_WEIGHTS) == (preset("owt-masked-mix").block_sizes, preset("owt-masked-mix").block_weights)
+    assert (TRAIN_BLOCK_SIZES, TRAIN_BLOCK_WEIGHTS) == (preset("owt-masked-mix").block_sizes, preset("owt-masked-mix").block_weights)
     for prior in config.priors:
         model_config = TrainConfig(prior=prior, size="paper", seq_len=1024).model_config(scale.vocab_size, {}, "cpu")
         with torch.device("meta"):
             n_params = sum(p.numel() for p in BlockGen(model_config).parameters())
         assert memory_estimate(model_config, n_params, max(scale.micro_batches), True, 1).total < 80e9
-    assert config.budget_s == 480 and tuple(config.shares()) == gpu_check.STAGES and sum(config.shares().values()) == pytest.approx(1)
+    assert config.budget_s == 480 and tuple(config.shares()) == STAGES and sum(config.shares().values()) == pytest.approx(1)
     only = GpuCheckConfig(stages=("scorers", "generate")).shares()  # renormalised over the stages run, in STAGES order
     assert list(only) == ["generate", "scorers"] and sum(only.values()) == pytest.approx(1)
     dry = subprocess.run(["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -165,8 +178,8 @@ def test_the_rates_file_holds_the_stages_measurements(tmp_path, monkeypatch):
         {"prior": "uniform", "micro_batch": 8, "seq_len": 1024, "block_sizes": [1, 16], "s_per_step": 0.3, "tokens_per_s": 27306.7,
          "peak_memory_gb": 15.0, "likelihood_pass_s": 0.04},
         {"prior": "masked", "micro_batch": 32, "seq_len": 1024, "block_sizes": [1, 16], "error": "OutOfMemoryError"}]}
-    monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, "generate", lambda *args: generate)
-    monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, "train", lambda *args: train)
+    monkeypatch.setitem(check.STAGE_FUNCTIONS, "generate", lambda *args: generate)
+    monkeypatch.setitem(check.STAGE_FUNCTIONS, "train", lambda *args: train)
     summary = run_gpu_check(GpuCheckConfig(out_dir=str(tmp_path), device="cpu", stages=("generate", "train")))
     rates = read_rates(summary["rates"])
     assert [(c.sampler, c.block_size, c.batch, c.seconds, c.precision) for c in rates.sampler_calls] == [
@@ -182,8 +195,8 @@ def test_the_rates_file_holds_the_stages_measurements(tmp_path, monkeypatch):
 def fake_cuda(monkeypatch, tmp_path, build: str | None) -> None:
     """A CUDA machine as gpu-check sees it (no GPU here): its device, and a vLLM environment that is
     missing (None) or of the given package."""
-    monkeypatch.setattr(gpu_check, "_device_info", lambda device: {"device": device, "name": "Fake GPU", "date_utc": "2026-11-27"})
-    monkeypatch.setattr(gpu_check, "_free", lambda device: None)
+    monkeypatch.setattr(check, "_device_info", lambda device: {"device": device, "name": "Fake GPU", "date_utc": "2026-11-27"})
+    monkeypatch.setattr(check, "free_memory", lambda device: None)
     if build is None:
         monkeypatch.setattr(scorers, "vllm_python", lambda explicit=None: str(tmp_path / ".venv-vllm" / "bin" / "python"))
     else:
@@ -209,10 +222,10 @@ def test_on_cuda_a_skipped_stage_fails_and_on_cpu_a_missing_scorer_is_skipped(tm
     fake_cuda(monkeypatch, tmp_path, None)
     cpu = run_gpu_check(GpuCheckConfig(out_dir=str(tmp_path / "cpu"), device="cpu", stages=("scorers",)))
     assert cpu["ok"] is True and "no vLLM environment" in cpu["stages"]["scorers"]["skipped"]  # today's rule on CPU
-    monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, "scorers", lambda *args: {"skipped": "not run"})
+    monkeypatch.setitem(check.STAGE_FUNCTIONS, "scorers", lambda *args: {"skipped": "not run"})
     gpu = run_gpu_check(GpuCheckConfig(out_dir=str(tmp_path / "gpu"), device="cuda", stages=("scorers",)))
     assert gpu["ok"] is False and gpu["failed"] == ["scorers"]
-    assert gpu_check.stage_failed({"skipped": "x"}, cuda=False) is False
+    assert stage_failed({"skipped": "x"}, cuda=False) is False
 
 
 def test_on_cuda_with_a_cuda_build_the_scorer_stage_goes_on(tmp_path, monkeypatch):
@@ -229,9 +242,9 @@ def test_on_cuda_with_a_cuda_build_the_scorer_stage_goes_on(tmp_path, monkeypatc
 
 def test_ddp_on_one_gpu_is_skipped_and_does_not_fail(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    result = gpu_check.stage_ddp(GpuCheckConfig(device="cuda"), "cuda", GPU_SCALE, tmp_path)
+    result = command_stages.stage_ddp(GpuCheckConfig(device="cuda"), "cuda", GPU_SCALE, tmp_path)
     assert result == {"skipped": "1 GPU visible: the DDP run needs 2", "applies": False}
-    assert not gpu_check.stage_failed(result, cuda=True) and gpu_check.stage_status(result, cuda=True) == "skipped"
+    assert not stage_failed(result, cuda=True) and stage_status(result, cuda=True) == "skipped"
 
 
 # ------------------------------------------------------------------------------ the time budget
@@ -245,13 +258,13 @@ def test_a_tiny_budget_truncates_every_stage_before_its_first_run(tmp_path):
     assert "budget" in train["truncated"] and "budget" in generate["truncated"]
     # on a CPU a truncated stage is not a failure; nothing measured: no rates file
     assert summary["status"] == {"train": "truncated", "generate": "truncated"} and summary["ok"] and summary["rates"] is None
-    table = gpu_check.summary_table(summary).splitlines()
+    table = summary_table(summary).splitlines()
     assert table[1].split()[:2] == ["train", "truncated"] and "4 runs not run" in table[1]  # the key figure says why
     # on a GPU a stage the budget stopped before it measured anything fails the check
-    assert gpu_check.stage_failed(train, cuda=True) and gpu_check.stage_status(generate, cuda=True) == "failed"
+    assert stage_failed(train, cuda=True) and stage_status(generate, cuda=True) == "failed"
 
 
-class AllowsOnce(gpu_check.Budget):
+class AllowsOnce(Budget):
     """A deadline that lets the first run start and no other (the clock's part, without waiting on it)."""
 
     def allows(self, expected_s: float = 0.0) -> bool:
@@ -262,11 +275,11 @@ class AllowsOnce(gpu_check.Budget):
 
 def test_a_stage_stops_between_runs_and_keeps_what_it_measured(tmp_path):
     config = GpuCheckConfig(device="cpu", priors=("masked", "uniform"), micro_batches=(2,), steps=2)
-    stage = gpu_check.stage_train(config, "cpu", config.scale(), tmp_path, AllowsOnce())
+    stage = stage_train(config, "cpu", config.scale(), tmp_path, AllowsOnce())
     (run,) = stage["runs"]
     assert (run["prior"], run["micro_batch"], run["steps"]) == ("masked", 2, 2) and "error" not in run
     assert stage["not_run"] == ["uniform x 2"] and "budget" in stage["truncated"]
-    assert not gpu_check.stage_failed(stage, cuda=True) and gpu_check.stage_status(stage, cuda=True) == "truncated"
+    assert not stage_failed(stage, cuda=True) and stage_status(stage, cuda=True) == "truncated"
 
 
 def test_each_stage_gets_its_share_plus_what_the_earlier_ones_left(tmp_path, monkeypatch):
@@ -278,9 +291,9 @@ def test_each_stage_gets_its_share_plus_what_the_earlier_ones_left(tmp_path, mon
             return result
         return stage
 
-    for name in gpu_check.STAGES:
-        monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, name, fake(name, {}))
-    monkeypatch.setitem(gpu_check.STAGE_FUNCTIONS, "ddp", fake("ddp", {"truncated": "budget: none left", "not_run": ["ci"]}))
+    for name in STAGES:
+        monkeypatch.setitem(check.STAGE_FUNCTIONS, name, fake(name, {}))
+    monkeypatch.setitem(check.STAGE_FUNCTIONS, "ddp", fake("ddp", {"truncated": "budget: none left", "not_run": ["ci"]}))
     fake_cuda(monkeypatch, tmp_path, "vllm")
     config = GpuCheckConfig(out_dir=str(tmp_path), device="cuda", stages=("scorers", "train", "ddp"), budget_s=100)
     summary = run_gpu_check(config)
@@ -295,11 +308,11 @@ def test_each_stage_gets_its_share_plus_what_the_earlier_ones_left(tmp_path, mon
 
 def test_a_subprocess_past_the_deadline_is_killed_and_reported(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-    with pytest.raises(gpu_check.StageTimeout, match="ran past the stage's deadline"):
-        gpu_check._run(sleeper, tmp_path / "log", gpu_check.Budget(time.monotonic() + 0.5))
-    with pytest.raises(gpu_check.StageTimeout, match="not started: the stage's budget share was spent"):
-        gpu_check._run(sleeper, tmp_path / "log", gpu_check.Budget(time.monotonic() - 1))
-    assert gpu_check._run([sys.executable, "-c", "print('done')"], tmp_path / "log") > 0
+    with pytest.raises(command_stages.StageTimeout, match="ran past the stage's deadline"):
+        command_stages._run(sleeper, tmp_path / "log", Budget(time.monotonic() + 0.5))
+    with pytest.raises(command_stages.StageTimeout, match="not started: the stage's budget share was spent"):
+        command_stages._run(sleeper, tmp_path / "log", Budget(time.monotonic() - 1))
+    assert command_stages._run([sys.executable, "-c", "print('done')"], tmp_path / "log") > 0
     assert (tmp_path / "log").read_text() == "done\n"
 
 
@@ -315,7 +328,7 @@ def test_summary_table_and_the_verdict():
     for i, r in enumerate(stages.values()):
         r.update(stage_seconds=10.0 + i, share=0.2, share_s=96.0)
     summary = {"mode": "gpu", "stages": stages, "ok": False, "failed": ["generate"], "total_seconds": 60.0, "budget": {"budget_s": 480.0}}
-    lines = gpu_check.summary_table(summary).splitlines()
+    lines = summary_table(summary).splitlines()
     assert [line.split()[:3] for line in lines[1:6]] == [["train", "truncated", "10.0"], ["ddp", "skipped", "11.0"],
                                                          ["generate", "failed", "12.0"], ["lm_eval", "ok", "13.0"], ["scorers", "ok", "14.0"]]
     assert "masked 160,000 tokens/s at 32 x 1024" in lines[1] and "20% (96 s)" in lines[1]

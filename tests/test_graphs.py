@@ -219,14 +219,15 @@ def test_gpu_check_compares_graphs_on_a_gpu_only(models, first_run, tmp_path):
     a CPU, with this module's graphs) and its CPU mode, which times eager calls only and says so."""
     from dataclasses import replace
 
-    from blockgen.harness import gpu_check
+    from blockgen.harness.gpu_check import generate_stage
+    from blockgen.harness.gpu_check.config import CPU_SCALE, GpuCheckConfig
 
     before = graphs()
-    row = gpu_check._graph_run(models["masked"], PROMPTS, config("ar_greedy"), "cpu")
+    row = generate_stage._graph_run(models["masked"], PROMPTS, config("ar_greedy"), "cpu")
     assert graphs() == before and row["model_calls"] == 24 and 0 <= row["rows_same_tokens"] <= 4
     assert min(row["eager_ms_per_call"], row["compiled_ms_per_call"], row["speedup"], row["compile_seconds"]) > 0
-    stage = gpu_check.stage_generate(gpu_check.GpuCheckConfig(device="cpu", generate_batches=(1,)), "cpu",
-                                     replace(gpu_check.CPU_SCALE, new_tokens=4), tmp_path)
+    stage = generate_stage.stage_generate(GpuCheckConfig(device="cpu", generate_batches=(1,)), "cpu",
+                                          replace(CPU_SCALE, new_tokens=4), tmp_path)
     assert stage["graphs"]["measured"] is False and "make gpu-check" in stage["graphs"]["why"]
     assert [r["sampler"] for r in stage["runs"]] == ["ar_greedy", "arpc", "ancestral"]
     assert all("error" not in r and r["ms_per_call"] > 0 for r in stage["runs"])

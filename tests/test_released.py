@@ -1,4 +1,4 @@
-"""The paper's released checkpoints (harness/checkpoints/released.py) against the fixtures in the release format.
+"""The paper's released checkpoints (harness/checkpoints/release_*.py) against the fixtures in the release format.
 
 Two fixture sets (`../shared/data/released` and `../shared/data/released-gpt2`, or $BLOCKGEN_RELEASE_FIXTURES and
 $BLOCKGEN_RELEASE_FIXTURES_GPT2) hold tiny random models saved as the authors' code saves a release, with the
@@ -25,14 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, load_checkpoint
 from blockgen.harness.checkpoints.hub import HubUnavailableError
-from blockgen.harness.checkpoints.released import (
-    DATASETS,
-    ReleaseError,
-    ReleaseOverrides,
-    parse_release_path,
-    release_source,
-    resolve,
-)
+from blockgen.harness.checkpoints.release_import import release_source, resolve
+from blockgen.harness.checkpoints.release_paths import DATASETS, ReleaseError, ReleaseOverrides, parse_release_path
 from blockgen.models.model import BlockGenConfig
 from blockgen.models.sampling import Decoder, SamplerConfig, generate
 from limits import HANG_S

@@ -182,7 +182,7 @@ def read_weights(path: Path, fix: str, error: type[CheckpointError] = Checkpoint
 def check_tokenizer_fits(config: BlockGenConfig, tokenizer, where: str | Path) -> None:
     """A tokenizer of another size maps the model's ids to other text (garbage, silently), so it must be
     the model's vocabulary: `len(tokenizer) == vocab_size`. One token more is allowed only as a converted
-    release's gpt2 layout (harness/checkpoints/released.py), where the authors' added [PAD] is the [MASK] row."""
+    release's gpt2 layout (harness/checkpoints/release_vocab.py), where the authors' added [PAD] is the [MASK] row."""
     size, vocab = len(tokenizer), config.vocab_size
     gpt2_layout = config.prior == "masked" and size == vocab + 1 and tokenizer.pad_token_id == vocab
     if size != vocab and not gpt2_layout:

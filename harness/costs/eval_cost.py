@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from blockgen.harness.checkpoints.released import DATASETS, RELEASES, parse_release_path
+from blockgen.harness.checkpoints.release_catalogue import RELEASES
+from blockgen.harness.checkpoints.release_paths import DATASETS, parse_release_path
 
 Kind = Literal["likelihood", "diffusion", "ar"]
 
@@ -59,7 +60,7 @@ class FullScalePlan:
     """A full-scale setting's counted work and its FLOP bound in derived H200-seconds (`eval_cost.plan_cost`)."""
 
     work: Work
-    algo: str  # released.ALGOS: blockgen, ar, mdlm, duo
+    algo: str  # release_paths.ALGOS: blockgen, ar, mdlm, duo
     prior: str | None  # masked or uniform (None: a plain AR model)
     seq_len: int
     model_s: float  # the model calls' FLOP bound

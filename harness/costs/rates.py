@@ -73,7 +73,7 @@ class CallRate:
 @dataclass(frozen=True)
 class PassRate:
     precision: str
-    algo: str  # released.ALGOS: blockgen ([x0 ; xt], 2L tokens), ar, mdlm, duo
+    algo: str  # release_paths.ALGOS: blockgen ([x0 ; xt], 2L tokens), ar, mdlm, duo
     prior: str  # masked or uniform
     batch: int  # sequences per pass
     seq_len: int  # tokens per sequence (L)
@@ -255,7 +255,7 @@ def _value(tp: Any, value: Any, where: str, name: str) -> Any:
 
 
 def _check_values(rates: Rates, where: str) -> None:
-    from blockgen.harness.checkpoints.released import ALGOS
+    from blockgen.harness.checkpoints.release_paths import ALGOS
     from blockgen.models.sampling import SAMPLERS
 
     def bad(name: str, value: Any, expected: str) -> RatesError:

@@ -37,7 +37,7 @@ class ModelSource(str, Enum):
 
     RUNS = "runs"  # this project's full-scale training runs: RUNS/<benchmark>-<model>
     EMBEDDED = "embedded"  # the embedded presets, trained offline on a CPU: RUNS/<benchmark>-embedded-<model>
-    RELEASED = "released"  # the paper's releases (harness/checkpoints/released.py), converted when they load
+    RELEASED = "released"  # the paper's releases (harness/checkpoints/release_catalogue.py), converted when they load
     DEMO = "demo"  # `blockgen demo`'s presets: RUNS/<model>, samplers `demo_samplers`
 
     @property

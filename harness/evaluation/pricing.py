@@ -34,7 +34,7 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`eval_cost.CPU_RATES`).
     `seconds` is None where no rate applies."""
     from blockgen.harness.costs import eval_cost
-    from blockgen.harness.checkpoints.released import RELEASES
+    from blockgen.harness.checkpoints.release_catalogue import RELEASES
     from blockgen.harness.costs.eval_cost import plan_cost
 
     run = LIKELIHOOD if s.sampler is None else f"{s.sampler.name}:{s.sampler.steps}:{s.sampler.ge}:{s.sampler.warmup}"

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
             warmup=defaults.warmup if warmup is None else warmup, temperature=args.temperature,
             block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
         )
-        from blockgen.harness.checkpoints.released import ReleaseOverrides, resolve
+        from blockgen.harness.checkpoints.release_import import resolve
+        from blockgen.harness.checkpoints.release_paths import ReleaseOverrides
 
         device = resolve_device(args.device)  # a device this machine lacks: the policy's message, before any loading
         checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))

@@ -93,7 +93,8 @@ def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
 
         return tuple(read_config(checkpoint).block_sizes)
     if g.source is ModelSource.RELEASED:
-        from blockgen.harness.checkpoints.released import DATASETS, RELEASES, parse_release_path
+        from blockgen.harness.checkpoints.release_catalogue import RELEASES
+        from blockgen.harness.checkpoints.release_paths import DATASETS, parse_release_path
 
         setting = parse_release_path(RELEASES[f"{g.benchmark}-{model}"])
         if setting.block_sizes:
@@ -104,7 +105,7 @@ def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
 
 def checkpoint_of(g: Grid, model: str, runs: str) -> str:
     if g.source is ModelSource.RELEASED:
-        from blockgen.harness.checkpoints.released import release_spec
+        from blockgen.harness.checkpoints.release_catalogue import release_spec
 
         return release_spec(f"{g.benchmark}-{model}")
     return str(Path(runs) / g.run_name(model) / "checkpoint")

@@ -405,7 +405,7 @@ def _resolved(checkpoint: str, g: Grid) -> Path | str:
     """A release converted once into a checkpoint folder (the tasks read `pretrained` from their metadata)."""
     if g.source is not ModelSource.RELEASED:
         return checkpoint
-    from blockgen.harness.checkpoints.released import resolve
+    from blockgen.harness.checkpoints.release_import import resolve
 
     return resolve(checkpoint)
 

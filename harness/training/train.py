@@ -336,7 +336,7 @@ def warm_start(model: BlockGen, checkpoint: str | Path, tokenizer) -> None:
     from safetensors.torch import load_file
 
     from blockgen.harness.checkpoints.checkpoint import WEIGHTS, CheckpointError, read_config
-    from blockgen.harness.checkpoints.released import resolve_with_tokenizer
+    from blockgen.harness.checkpoints.release_import import resolve_with_tokenizer
 
     checkpoint = resolve_with_tokenizer(checkpoint, tokenizer)
     source = read_config(Path(checkpoint))

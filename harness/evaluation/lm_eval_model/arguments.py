@@ -61,7 +61,7 @@ class BlockGenLMArgs:
     # inductor on a CPU; the same tokens as eager, tests/test_graphs.py). Off by default: compiling
     # costs minutes on a CPU and pays only over many calls.
     compile: bool = False
-    # Released checkpoints only (harness/checkpoints/released.py): the tokenizer (a local copy, or for releases
+    # Released checkpoints only (harness/checkpoints/release_import.py): the tokenizer (a local copy, or for releases
     # whose path names none), and the setting where the path does not say it (lists as 1:16).
     tokenizer: str | None = None
     algo: str | None = None

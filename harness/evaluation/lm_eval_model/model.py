@@ -101,7 +101,8 @@ class BlockGenLM(TemplateLM):
             args = replace(args, seed=torch.initial_seed())
         self.args = args
         # A release is converted once into a checkpoint directory (cached); its source is reported.
-        from blockgen.harness.checkpoints.released import ReleaseOverrides, release_source, resolve
+        from blockgen.harness.checkpoints.release_import import release_source, resolve
+        from blockgen.harness.checkpoints.release_paths import ReleaseOverrides
 
         overrides = ReleaseOverrides.from_model_args(args.algo, args.prior, args.block_sizes, args.block_weights,
                                                      args.x0_causal, args.tokenizer)
