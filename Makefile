@@ -144,12 +144,16 @@ EVAL_ARGS ?=
 DRY_RUN ?= 0
 SHARDS ?= 1
 
+# A grid's models (MODELS_OWT, MODELS_GSM, MODELS_*_RELEASED), asked of `blockgen sweep GRID --list-models`:
+# the grid in harness/evaluation/grids.py is their one home. Asked once per make run, when first used.
+grid_models = $(or $(GRID_MODELS_$(1)),$(eval GRID_MODELS_$(1) := $(shell $(PY) -m blockgen.harness.cli sweep $(1) --list-models))$(GRID_MODELS_$(1)))
+
 ifeq ($(OFFLINE),1)
 SCALE := -embedded
 NPROC ?= 2
 DEVICE ?= cpu
-MODELS_OWT ?= ar masked-mix uniform-mix
-MODELS_GSM ?= ar masked-16 masked-mix
+MODELS_OWT ?= $(call grid_models,owt-embedded)
+MODELS_GSM ?= $(call grid_models,gsm8k-embedded)
 TASK_OWT_GEN ?= owt_genppl_embedded
 TASK_GSM ?= gsm8k_code_embedded
 # one process: the CPU's two cores are the sweep's threads (and the per-process path's results)
@@ -161,8 +165,8 @@ SCALE :=
 NGPU ?= 8
 NPROC ?= $(NGPU)
 DEVICE ?= cuda
-MODELS_OWT ?= ar masked-16 uniform-16 masked-mix uniform-mix masked-mix-flat uniform-mix-flat
-MODELS_GSM ?= ar masked-16 uniform-16 masked-mix uniform-mix
+MODELS_OWT ?= $(call grid_models,owt)
+MODELS_GSM ?= $(call grid_models,gsm8k)
 TASK_OWT_GEN ?= owt_genppl
 TASK_GSM ?= gsm8k_code
 EVAL_NPROC ?= $(NPROC)
@@ -344,8 +348,8 @@ eval-gsm8k: setup
 # DRY_RUN=1 prints each setting with its derived H200-hours and runs nothing (`make -n` shows the
 # commands; neither touches the network).
 RELEASE_REPO := jdeschena/blockgen
-MODELS_OWT_RELEASED ?= ar mdlm duo masked-16 uniform-16 masked-mix uniform-mix masked-mix-flat uniform-mix-flat
-MODELS_GSM_RELEASED ?= ar masked-16 uniform-16 masked-32 uniform-32 masked-mix uniform-mix masked-mix32 uniform-mix32
+MODELS_OWT_RELEASED ?= $(call grid_models,released-owt)
+MODELS_GSM_RELEASED ?= $(call grid_models,released-gsm8k)
 LEADERBOARD_RELEASED_OWT ?= leaderboards/released-owt.json
 LEADERBOARD_RELEASED_GSM ?= leaderboards/released-tinygsm.json
 # name=subfolder pairs, read once and only by the targets that use them

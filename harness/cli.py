@@ -21,8 +21,8 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/evaluation/sample.py, sweep.py, outcomes.py, regression.py, scorers.py, sampler_grid.py,
-harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
+and `run(args)` (harness/evaluation/: sample.py, sweep.py, scorers.py, sampler_grid.py; harness/reports/:
+outcomes.py, regression.py; harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
 the modules above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
 

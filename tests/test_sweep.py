@@ -56,6 +56,19 @@ def test_dry_run_lists_no_setting_twice(name):
     assert f"total: {len(todo)} settings, {len(g.models)} model loads" in out.getvalue()
 
 
+@pytest.mark.parametrize("scale, variable, grid", [
+    ("OFFLINE=1", "MODELS_OWT", "owt-embedded"), ("OFFLINE=1", "MODELS_GSM", "gsm8k-embedded"), ("OFFLINE=0", "MODELS_OWT", "owt"),
+    ("OFFLINE=0", "MODELS_GSM", "gsm8k"), ("OFFLINE=0", "MODELS_OWT_RELEASED", "released-owt"),
+    ("OFFLINE=0", "MODELS_GSM_RELEASED", "released-gsm8k")])
+def test_the_makefile_asks_the_grid_for_its_models(scale, variable, grid):
+    """The Makefile lists no model: `blockgen sweep GRID --list-models` says them, from the grid itself."""
+    listed = subprocess.run([str(BIN / "blockgen"), "sweep", grid, "--list-models"], capture_output=True, text=True, check=True)
+    assert listed.stdout.split() == list(GRIDS[grid].models)
+    make = subprocess.run(["make", "--no-print-directory", "-s", "-f", "Makefile", "-f", "-", scale, "show"], cwd=REPO, text=True,
+                          input=f"show:\n\t@echo $({variable})\n", capture_output=True, check=True)
+    assert make.stdout.split() == list(GRIDS[grid].models)
+
+
 @pytest.mark.parametrize("target, grid", [("eval-owt", "owt"), ("eval-gsm8k", "gsm8k")])
 def test_full_scale_eval_is_one_launch_for_every_model(target, grid):
     """`make -n eval-owt NGPU=8`: one torchrun of 8 ranks runs the whole grid (every model, every

@@ -448,6 +448,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default="runs", help="folder of the models' run folders (<benchmark>[-embedded]-<model>/checkpoint)")
     parser.add_argument("--out-dir", default=None, help="results root (default: RUNS/results)")
     parser.add_argument("--models", nargs="+", default=None, help="a subset of the grid's models (default: all)")
+    parser.add_argument("--list-models", action="store_true",
+                        help="print the grid's models (space-separated, as the Makefile reads them) and exit")
     parser.add_argument("--temperatures", type=float, nargs="+", default=None)
     parser.add_argument("--limit", type=int, default=None, help="problems / samples / chunks per setting (default: the grid's)")
     parser.add_argument("--k-mc", type=int, default=None)
@@ -497,6 +499,9 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list_models:  # the Makefile's model lists (train-owt, eval-owt, ...): the grid is their one home
+        print(" ".join(grid(args.grid).models))
+        return 0
     try:
         config = config_from_args(args)
         report = run_sweep(config)
