@@ -22,6 +22,7 @@ from blockgen.harness.checkpoints.checkpoint import load_checkpoint
 from blockgen.harness.data.sources import DataConfig, chunk_documents, document_split, get_tokenizer
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 from limits import HANG_S
+from vllm_env import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -29,20 +30,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
        "OMP_NUM_THREADS": "1"}
 SEQ_LEN = 64
 N_VAL = 12  # validation chunks in training; the tasks score the same ones with --limit N_VAL
-
-
-def vllm_python() -> str | None:
-    python = os.environ.get("BLOCKGEN_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    return python if Path(python).exists() else None
-
-
-def need_vllm() -> str:
-    python = vllm_python()
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI: the vLLM environment is missing (make vllm-env)")
-        pytest.skip("no vLLM environment (make vllm-env, or set BLOCKGEN_VLLM_PYTHON)")
-    return python
 
 
 def run(*args: str, env: dict | None = None, timeout: int = HANG_S) -> subprocess.CompletedProcess:
@@ -286,7 +273,7 @@ def test_owt_genppl_missing_scorer_fails_before_generating(work, mix_checkpoint)
 
 def test_owt_genppl_vllm_scorer_agrees_with_transformers(work, mix_checkpoint, scorer_dir, genppl_transformers):
     """The same samples (same seed) scored through a vLLM server the harness starts: Gen PPL to 1e-3."""
-    python = need_vllm()
+    python = vllm_python()
     out = work / "gen-vllm"
     meta = json.dumps({"scorer_model": str(scorer_dir), "num_samples": N_SAMPLES, "scorer": "vllm"})
     env = {**ENV, "BLOCKGEN_VLLM_PYTHON": python, "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -40,6 +40,7 @@ from blockgen.harness.evaluation.scorers import (
 )
 from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 from blockgen.tasks.owt import reference_passages
+from vllm_env import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -289,18 +290,9 @@ def test_no_vllm_installed_is_a_clear_error(scorer_dir, monkeypatch):
 # ------------------------------------------------------------------------------- a real vLLM server
 
 
-def real_vllm_python() -> str:
-    python = os.environ.get("BLOCKGEN_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not Path(python).exists():
-        if os.environ.get("CI"):
-            pytest.fail("CI: the vLLM environment is missing (make vllm-env)")
-        pytest.skip("no vLLM environment (make vllm-env, or set BLOCKGEN_VLLM_PYTHON)")
-    return python
-
-
 def test_real_vllm_agrees_with_transformers_then_dies_cleanly(scorer_dir, texts, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    config = ScorerConfig(backend="vllm", model=str(scorer_dir), vllm_python=real_vllm_python())
+    config = ScorerConfig(backend="vllm", model=str(scorer_dir), vllm_python=vllm_python())
     want = score_texts(TransformersScorer(ScorerConfig(model=str(scorer_dir))), texts, progress=False)
     scorer = open_scorer(config)
     try:

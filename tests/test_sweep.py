@@ -35,6 +35,7 @@ from blockgen.harness.evaluation import settings as grid_settings
 from blockgen.harness.evaluation.settings import Setting, families, settings
 from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
 from limits import HANG_S
+from vllm_env import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -148,15 +149,6 @@ def test_with_settings_generates_what_a_fresh_model_generates(work):
     assert base.sampler.name == "ancestral"  # the loaded instance keeps its own settings
     with pytest.raises(ValueError, match="pick the loaded weights"):
         base.with_settings(pretrained="elsewhere")
-
-
-def vllm_python() -> str:
-    python = os.environ.get("BLOCKGEN_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not Path(python).exists():
-        if os.environ.get("CI"):
-            pytest.fail("CI: the vLLM environment is missing (make vllm-env)")
-        pytest.skip("no vLLM environment (make vllm-env, or set BLOCKGEN_VLLM_PYTHON)")
-    return python
 
 
 def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work, monkeypatch):

@@ -19,14 +19,12 @@ from __future__ import annotations
 import re
 import zlib
 
-from blockgen.harness.data.wordproblems import followups, templates_core, templates_more, templates_rest
+from blockgen.harness.data.wordproblems import followups, templates
 from blockgen.harness.data.wordproblems.drafting import FollowFn, TemplateFn
 from blockgen.harness.data.wordproblems.problems import WordProblem
 
 # The catalogue in its order, which is part of the data (a level draws the first k templates).
-TEMPLATE_TABLE: dict[str, tuple[int, TemplateFn]] = {
-    **templates_core.TABLE, **templates_more.TABLE, **templates_rest.TABLE
-}
+TEMPLATE_TABLE: dict[str, tuple[int, TemplateFn]] = templates.TABLE
 FOLLOWUP_TABLE: dict[str, tuple[str, FollowFn]] = followups.TABLE
 TEMPLATES: tuple[str, ...] = tuple(TEMPLATE_TABLE)
 FOLLOWUPS: tuple[str, ...] = tuple(FOLLOWUP_TABLE)
