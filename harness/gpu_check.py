@@ -21,7 +21,7 @@ Stages (each one's failure is recorded in the summary and the others still run):
   step in training, so both graphs are compiled (warm-up) and timed. One model and one compiled network
   per prior serve all its micro-batches (dynamo is reset between priors only); `warmup_seconds` per prior
   holds its compilation. Per run: s/step per block size and their mixture-weighted mean, tokens/s, MFU,
-  peak memory beside the start-up estimate of harness/training/train.py. Random tokens: the cost of a step does
+  peak memory beside the start-up estimate of harness/training/flops_memory.py. Random tokens: the cost of a step does
   not depend on the text, and the check needs neither the hub nor a prepared corpus. GPU: the paper's
   model (12 x 768) at L = 1,024 with GPT-2's vocabulary size, micro-batch 32 (the OWT presets'); CPU: the
   micro model. Then, per run, the likelihood pass the sweep's owt_ppl makes (one NELBO draw at block size
@@ -47,7 +47,7 @@ Stages (each one's failure is recorded in the summary and the others still run):
   `blockgen train-scorer`): Gen PPL of each, their relative difference, tokens/s, the server's start-up.
   On a CPU it is skipped, with the reason, when no vLLM environment is found (`make vllm-env`,
   $BLOCKGEN_VLLM_PYTHON). On CUDA a missing vLLM environment or a CPU build of vLLM fails the stage, with
-  the fix (`scorers.CUDA_VLLM_FIX`): GPT-2 Large would be scored on the CPU, which is no check of the GPU;
+  the fix (`vllm_server.CUDA_VLLM_FIX`): GPT-2 Large would be scored on the CPU, which is no check of the GPU;
   and any stage that skipped itself fails the check (`stage_failed`), except ddp on one GPU. Not yet done:
   running one `owt_genppl` setting through `blockgen sweep` with the scorer beside the model
   (docs/training.md, TODO).
@@ -236,7 +236,8 @@ class _PriorTrainer:
     shared by all its micro-batch runs: compiled once per prior, a new micro-batch only adds its shapes."""
 
     def __init__(self, config: GpuCheckConfig, device: str, scale: Scale, prior: str) -> None:
-        from blockgen.harness.training.train import EMA, TrainConfig, training_net
+        from blockgen.harness.training.train import EMA, training_net
+        from blockgen.harness.training.train_config import TrainConfig
         from blockgen.models.model import BlockGen
 
         self.device, self.scale, self.seed = device, scale, config.seed
@@ -254,7 +255,7 @@ class _PriorTrainer:
     def run(self, micro: int, peak: float | None) -> dict:
         """Warm-up steps (each block size's graph compiled for this shape), then timed steps, the block size
         alternating; then the likelihood passes on the same batch. Its tensors are freed when it returns."""
-        from blockgen.harness.training.train import memory_estimate, training_flops_per_step
+        from blockgen.harness.training.flops_memory import memory_estimate, training_flops_per_step
         from blockgen.models.objectives import stratified_times
 
         device, scale, model = self.device, self.scale, self.model
@@ -351,7 +352,8 @@ def _likelihood_pass_seconds(model, x: torch.Tensor, loss_mask: torch.Tensor, de
 
 
 def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.training.train import enable_tf32, peak_flops
+    from blockgen.harness.runtime.precision import enable_tf32
+    from blockgen.harness.training.flops_memory import peak_flops
 
     if device.startswith("cuda"):
         enable_tf32()
@@ -428,7 +430,7 @@ def _row_streams_match(device: str) -> bool:
 
 
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.training.train import TrainConfig
+    from blockgen.harness.training.train_config import TrainConfig
     from blockgen.models.model import BlockGen
     from blockgen.models.sampling import SamplerConfig
 
@@ -607,16 +609,12 @@ def stage_lm_eval(config: GpuCheckConfig, device: str, scale: Scale, out: Path, 
 
 def stage_scorers(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
     from blockgen.harness.data.sources import DataConfig, document_split
-    from blockgen.harness.evaluation.scorers import (
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig, ScorerError
+    from blockgen.harness.evaluation.scorers import TransformersScorer, VLLMScorer, gen_ppl, score_texts
+    from blockgen.harness.evaluation.vllm_server import (
         CUDA_VLLM_FIX,
-        ScorerConfig,
-        ScorerError,
-        TransformersScorer,
-        VLLMScorer,
         check_vllm_installed,
-        gen_ppl,
         require_cuda_build,
-        score_texts,
         vllm_build,
         vllm_python,
     )
