@@ -212,7 +212,7 @@ SHUTDOWN_TIMEOUT ?= 300
 # Several machines (docs/training.md, "Multi-node"; its SLURM template sets these): NNODES x NPROC
 # processes meet at torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT under one id per model.
 # Run the same `make train-...` on every node, with NODE_RANK 0 to NNODES - 1. RUNS must be on a file
-# system every node shares (checked at start: `check_same_run_directory` in harness/training/train.py).
+# system every node shares (checked at start: `check_same_run_directory` in harness/training/run_directory.py).
 NNODES ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= localhost

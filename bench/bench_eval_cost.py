@@ -121,7 +121,8 @@ def scorer_sample_s(scorer_dir: str, n: int, repeats: int) -> float:
     (`owt.score_samples`), then MAUVE over the n samples (`owt.mauve_score`)."""
     import tempfile
 
-    from blockgen.harness.evaluation.scorers import ScorerConfig, shared_scorers
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig
+    from blockgen.harness.evaluation.scorers import shared_scorers
     from blockgen.tasks.blockgen_toy import training_text
     from blockgen.tasks.owt import genppl_results, mauve_score, score_samples
 

@@ -25,7 +25,8 @@ import time
 import torch
 
 from blockgen.harness.data.sources import DataConfig, document_split
-from blockgen.harness.evaluation.scorers import ScorerConfig, TransformersScorer, VLLMScorer, gen_ppl, score_texts
+from blockgen.harness.evaluation.scorer_config import ScorerConfig
+from blockgen.harness.evaluation.scorers import TransformersScorer, VLLMScorer, gen_ppl, score_texts
 from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 from blockgen.tasks.owt import reference_passages
 

@@ -21,7 +21,7 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/evaluation/: sample.py, sweep.py, scorers.py, sampler_grid.py; harness/reports/:
+and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, sampler_grid.py; harness/reports/:
 outcomes.py, regression.py; harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
 the modules above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
@@ -38,7 +38,7 @@ from typing import Any, Callable, Literal, get_args, get_origin
 
 from blockgen.harness.reports import leaderboard, outcomes, regression
 from blockgen.harness.checkpoints import release_catalogue
-from blockgen.harness.evaluation import sample, sampler_grid, scorers, sweep
+from blockgen.harness.evaluation import sample, sampler_grid, sweep, vllm_server
 from blockgen.harness.reports.compare import CompareError, compare, format_comparison
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
@@ -47,7 +47,7 @@ from blockgen.harness.reports.leaderboard import LeaderboardError
 from blockgen.harness.reports.page import build_page
 from blockgen.harness.reports.plots import plot_all
 from blockgen.harness.training.presets import DEMO_PRESETS, PRESETS, preset, preset_table
-from blockgen.harness.training.train import TrainConfig
+from blockgen.harness.training.train_config import TrainConfig
 from blockgen.harness.training.train_scorer import ScorerTrainConfig
 from blockgen.harness.data.wordproblems import DIFFICULTIES
 
@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    outcomes.__doc__))
     regression.build_parser(_mounted(sub, "regression", "CI regression of a pipeline's leaderboard: check against the "
                                      "reference's tolerances, or rewrite the reference", regression.__doc__))
-    scorers.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
-                                  "owt_genppl's scorer (harness/evaluation/scorers.py)."))
+    vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
+                                      "owt_genppl's scorer server (harness/evaluation/vllm_server.py)."))
     sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
                                        sampler_grid.__doc__))
     return parser
@@ -267,7 +267,8 @@ def _presets(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.checkpoint import CheckpointError
     from blockgen.harness.checkpoints.hub import HubUnavailableError
-    from blockgen.harness.training.train import TrainingStopped, train
+    from blockgen.harness.training.stop_signals import TrainingStopped
+    from blockgen.harness.training.train import train
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
         print(f"checkpoint: {train(config_from_args(args))}")
@@ -355,7 +356,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "demo": _demo, "presets": _presets, "gpu-check": _gpu_check, "train-scorer": _train_scorer,
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
-    "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": scorers.run,
+    "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": vllm_server.run,
     "variants": sampler_grid.run,
 }
 

@@ -36,7 +36,7 @@ from blockgen.harness.evaluation.grids import DEMO_VARIANTS as DIFFUSION_VARIANT
 from blockgen.harness.evaluation.grids import demo_samplers as samplers_for
 from blockgen.harness.evaluation.grids import sampler_label
 from blockgen.harness.training.presets import DEMO_PRESETS, WARM_STARTS, preset
-from blockgen.harness.training.train import TrainConfig
+from blockgen.harness.training.train_config import TrainConfig
 from blockgen.models.sampling import SamplerConfig
 
 

@@ -31,7 +31,7 @@ the same float32 vectors, so the same MAUVE as when the vectors travelled inline
 The scorer and the sample count come from the task's metadata, overridable with lm-eval's
 ``--metadata`` (JSON): ``scorer`` (transformers | vllm), ``scorer_model`` (directory or hub name),
 ``scorer_url``, ``scorer_device``, ``scorer_batch_size``, ``scorer_vllm_python``, ... (see
-`ScorerConfig`), ``num_samples``, ``data_path`` (local files instead of the source's default text),
+`scorer_config.ScorerConfig`), ``num_samples``, ``data_path`` (local files instead of the source's default text),
 ``mauve_cache`` (the cache folder; else $BLOCKGEN_MAUVE_CACHE, else ~/.cache/blockgen/mauve; `blockgen
 sweep` names <results root>/mauve-cache). Hub loads (OWT, a hub scorer) are retried with backoff
 (`harness.hub.hub_call`), then fail naming the offline twin.
@@ -213,7 +213,8 @@ class OwtGenPPLTask(YamlClassTask):
 
     def __init__(self, config: dict | None = None, **kwargs) -> None:
         super().__init__(config=config, **kwargs)
-        from blockgen.harness.evaluation.scorers import ScorerConfig, check_before_start
+        from blockgen.harness.evaluation.scorer_config import ScorerConfig
+        from blockgen.harness.evaluation.scorers import check_before_start
 
         # Fail before any sample is drawn: a bad setting, a missing scorer model, no vLLM, a busy port.
         metadata = self.config.metadata or {}

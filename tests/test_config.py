@@ -13,7 +13,7 @@ import torch
 
 from blockgen.harness.checkpoints.checkpoint import CONFIG, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
 from blockgen.harness.training.presets import PRESETS
-from blockgen.harness.training.train import TrainConfig
+from blockgen.harness.training.train_config import TrainConfig
 from blockgen.models.backbone import SIZES, ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
 

@@ -17,6 +17,7 @@ import torch
 from blockgen.harness.runtime import distributed
 from blockgen.harness.evaluation.lm_eval_model import arguments, model as lm_eval_model
 from blockgen.harness.training import train
+from blockgen.harness.training.train_config import TrainConfig
 from blockgen.harness.runtime.distributed import Distributed, Ranks, ranks_from_env, resolve_device, setup_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,9 +143,9 @@ def test_training_sets_up_through_the_one_function(monkeypatch):
     monkeypatch.setattr(train, "ensure_prepared", lambda data, seq_len: Path("unused"))
     monkeypatch.setattr(train, "setup_distributed", spy)
     with pytest.raises(Stop):
-        train.train(train.TrainConfig(device="cpu", dist_timeout_s=77))
+        train.train(TrainConfig(device="cpu", dist_timeout_s=77))
     assert seen == [("cpu", 77)]
-    assert train.TrainConfig().dist_timeout_s == distributed.DEFAULT_TIMEOUT_S
+    assert TrainConfig().dist_timeout_s == distributed.DEFAULT_TIMEOUT_S
 
 
 def test_the_adapter_sets_up_through_the_one_function(no_torchrun, monkeypatch, caplog):

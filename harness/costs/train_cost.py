@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source, training_tokens_per_s
-from blockgen.harness.training.train import TrainConfig, checkpoint_step, training_flops_per_step
+from blockgen.harness.training.flops_memory import training_flops_per_step
+from blockgen.harness.training.run_directory import checkpoint_step
+from blockgen.harness.training.train_config import TrainConfig
 
 MEASURED_VOCAB = 50_257  # GPT-2's, what `make gpu-check` trains at paper size
 

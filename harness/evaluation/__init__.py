@@ -1,5 +1,5 @@
 """Evaluation: a model through lm-eval. The grids of sampler settings by NFE (`grids`, `sampler_grid`),
 `blockgen sweep` (one model load, every setting), the lm-eval model type (`lm_eval_model/`), the
-generative-perplexity scorers and MAUVE's cache, the demo's word-problem evaluation, and `blockgen
-sample`.
+generative-perplexity scorers (`scorers`, their settings in `scorer_config`, the vLLM server in
+`vllm_server`) and MAUVE's cache, the demo's word-problem evaluation, and `blockgen sample`.
 """

@@ -219,7 +219,7 @@ class _Scorers:
         and the sweep's server as scorer_url when the task scores with vLLM (its scorer settings come from
         the task's YAML and the sweep's metadata, the same for every setting)."""
         from blockgen.harness.evaluation.mauve_cache import METADATA_KEY
-        from blockgen.harness.evaluation.scorers import VLLMServer, require_cuda_build, vllm_build, vllm_python
+        from blockgen.harness.evaluation.vllm_server import VLLMServer, require_cuda_build, vllm_build, vllm_python
 
         task_metadata = {METADATA_KEY: self.mauve_cache, **task_metadata}
         if task_name not in self._server_config:  # build the task once to read its scorer settings
@@ -294,11 +294,11 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     if ranks_from_env().world_size > 1:
         setup_distributed(config.device)  # the process group, before rank 0's first skip decision
     import blockgen.lm_eval
-    from blockgen.harness.evaluation import scorers
+    from blockgen.harness.evaluation.scorer_config import STARTS
     from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
 
     blockgen.lm_eval.register()
-    begin, starts = time.perf_counter(), dict(scorers.STARTS)
+    begin, starts = time.perf_counter(), dict(STARTS)
     report = SweepReport(settings=len(todo), shard=shard)
     root = config.results_root()
     pool = _Scorers(config.metadata, config.device, root)
@@ -349,8 +349,8 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     finally:
         bar.close()
         pool.close()
-    report.vllm_starts = scorers.STARTS["vllm"] - starts.get("vllm", 0)
-    report.scorer_loads = scorers.STARTS["transformers"] - starts.get("transformers", 0)
+    report.vllm_starts = STARTS["vllm"] - starts.get("vllm", 0)
+    report.scorer_loads = STARTS["transformers"] - starts.get("transformers", 0)
     report.seconds = time.perf_counter() - begin
     return report
 

@@ -15,7 +15,7 @@ it is killed with its process group (`StageTimeout`) and the stage is an error t
   `blockgen train-scorer`): Gen PPL of each, their relative difference, tokens/s, the server's start-up.
   On a CPU it is skipped, with the reason, when no vLLM environment is found (`make vllm-env`,
   $BLOCKGEN_VLLM_PYTHON). On CUDA a missing vLLM environment or a CPU build of vLLM fails the stage, with
-  the fix (`scorers.CUDA_VLLM_FIX`): GPT-2 Large would be scored on the CPU, which is no check of the GPU;
+  the fix (`vllm_server.CUDA_VLLM_FIX`): GPT-2 Large would be scored on the CPU, which is no check of the GPU;
   and any stage that skipped itself fails the check (`stage_failed`), except ddp on one GPU. Not yet done:
   running one `owt_genppl` setting through `blockgen sweep` with the scorer beside the model
   (docs/training.md, TODO).
@@ -151,16 +151,12 @@ def stage_lm_eval(config: GpuCheckConfig, device: str, scale: Scale, out: Path, 
 
 def stage_scorers(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
     from blockgen.harness.data.sources import DataConfig, document_split
-    from blockgen.harness.evaluation.scorers import (
+    from blockgen.harness.evaluation.scorer_config import ScorerConfig, ScorerError
+    from blockgen.harness.evaluation.scorers import TransformersScorer, VLLMScorer, gen_ppl, score_texts
+    from blockgen.harness.evaluation.vllm_server import (
         CUDA_VLLM_FIX,
-        ScorerConfig,
-        ScorerError,
-        TransformersScorer,
-        VLLMScorer,
         check_vllm_installed,
-        gen_ppl,
         require_cuda_build,
-        score_texts,
         vllm_build,
         vllm_python,
     )

@@ -5,7 +5,7 @@ as it changes from step to step in training, so both graphs are compiled (warm-u
 and one compiled network per prior serve all its micro-batches (dynamo is reset between priors only);
 `warmup_seconds` per prior holds its compilation. Per run: s/step per block size and their
 mixture-weighted mean, tokens/s, MFU, peak memory beside the start-up estimate of
-harness/training/train.py. Random tokens: the cost of a step does not depend on the text, and the check
+harness/training/flops_memory.py. Random tokens: the cost of a step does not depend on the text, and the check
 needs neither the hub nor a prepared corpus. GPU: the paper's model (12 x 768) at L = 1,024 with GPT-2's
 vocabulary size, micro-batch 32 (the OWT presets'); CPU: the micro model. Then, per run, the likelihood
 pass the sweep's owt_ppl makes (one NELBO draw at block size 16 over [x0 ; xt], eager, no gradients) in
@@ -38,7 +38,8 @@ class _PriorTrainer:
     shared by all its micro-batch runs: compiled once per prior, a new micro-batch only adds its shapes."""
 
     def __init__(self, config: GpuCheckConfig, device: str, scale: Scale, prior: str) -> None:
-        from blockgen.harness.training.train import EMA, TrainConfig, training_net
+        from blockgen.harness.training.train import EMA, training_net
+        from blockgen.harness.training.train_config import TrainConfig
         from blockgen.models.model import BlockGen
 
         self.device, self.scale, self.seed = device, scale, config.seed
@@ -56,7 +57,7 @@ class _PriorTrainer:
     def run(self, micro: int, peak: float | None) -> dict:
         """Warm-up steps (each block size's graph compiled for this shape), then timed steps, the block size
         alternating; then the likelihood passes on the same batch. Its tensors are freed when it returns."""
-        from blockgen.harness.training.train import memory_estimate, training_flops_per_step
+        from blockgen.harness.training.flops_memory import memory_estimate, training_flops_per_step
         from blockgen.models.objectives import stratified_times
 
         device, scale, model = self.device, self.scale, self.model
@@ -139,7 +140,8 @@ def _likelihood_pass_seconds(model, x: torch.Tensor, loss_mask: torch.Tensor, de
 
 
 def stage_train(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
-    from blockgen.harness.training.train import enable_tf32, peak_flops
+    from blockgen.harness.runtime.precision import enable_tf32
+    from blockgen.harness.training.flops_memory import peak_flops
 
     if device.startswith("cuda"):
         enable_tf32()

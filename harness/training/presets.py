@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from blockgen.harness.data.sources import DataConfig
-from blockgen.harness.training.train import TrainConfig
+from blockgen.harness.training.train_config import TrainConfig
 
 
 def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:

@@ -6,10 +6,10 @@ Each slot gets one block size by the stratified selection of Algorithm 1 (the sa
 rank, from the step's seed) and its slice of stratified diffusion times. AdamW with linear warm-up,
 gradient clipping, an EMA of the weights (used for validation and saved in model.safetensors),
 periodic validation with the log-sum-exp bound, and crash-safe checkpoints a restarted run resumes
-from (two slots, `checkpoint` and `checkpoint.prev`: harness/checkpoints/checkpoint.py). SIGTERM or SIGUSR1 (what
-SLURM sends before preemption or the time limit) stops the run at the next step boundary on every
-rank with a checkpoint: `train` raises `TrainingStopped`, and the CLI exits with 128 + the signal's
-number (143 for SIGTERM, 138 for SIGUSR1). `keep_steps`: copies kept at those steps, never overwritten.
+from (two slots, `checkpoint` and `checkpoint.prev`: harness/checkpoints/checkpoint.py; resuming, the copies
+kept at `keep_steps` and the check that every rank sees one run directory: `run_directory`). SIGTERM
+or SIGUSR1 stops the run at the next step boundary on every rank with a checkpoint (`stop_signals`).
+The settings are `train_config.TrainConfig`; a step's FLOPs and memory estimate, `flops_memory`.
 """
 
 from __future__ import annotations
@@ -20,143 +20,26 @@ import functools
 import json
 import math
 import os
-import signal
-import socket
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from blockgen.harness.checkpoints.checkpoint import TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
-from blockgen.harness.data.sources import DataConfig, Examples, current_names
-from blockgen.harness.runtime.distributed import DEFAULT_TIMEOUT_S, Distributed, ranks_from_env, resolve_device, setup_distributed
+from blockgen.harness.data.sources import Examples
+from blockgen.harness.runtime.distributed import Distributed, ranks_from_env, resolve_device, setup_distributed
 from blockgen.harness.runtime.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
 from blockgen.harness.data.prepare import ensure_prepared, load_prepared
 from blockgen.harness.runtime.progress import Progress
 from blockgen.harness.checkpoints.tokenizer import special_tokens
-from blockgen.models.backbone import SIZES
-from blockgen.models.diffusion import NELBO_CHUNK_TOKENS
-from blockgen.models.model import BlockGen, BlockGenConfig
+from blockgen.harness.training.flops_memory import memory_estimate, names_the_knob, peak_flops, training_flops_per_step
+from blockgen.harness.training.run_directory import check_same_run_directory, keep_dir, resume_training_state
+from blockgen.harness.training.stop_signals import TrainingStopped, agreed_stop, stop_requests
+from blockgen.harness.training.train_config import TrainConfig
+from blockgen.models.model import BlockGen
 from blockgen.models.objectives import stratified_indices, stratified_times
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    out_dir: str = "runs/model"
-    data: DataConfig = field(default_factory=DataConfig)
-    prior: Literal["masked", "uniform"] = "masked"
-    block_sizes: tuple[int, ...] = (16,)
-    block_weights: tuple[float, ...] = (1.0,)
-    causal_clean: bool = True
-    # "blockgen": the [x0 ; xt] model (block size 1 included); "ar": the paper's AR baseline, a plain
-    # causal transformer over the L tokens without adaLN (the authors' algo=ar; block_sizes (1,), masked).
-    architecture: Literal["blockgen", "ar"] = "blockgen"
-    size: Literal["micro", "tiny", "paper"] = "tiny"  # the network's shape: a name in backbone.SIZES
-    seq_len: int = 128
-    batch_size: int = 32  # global batch (sequences per optimizer step)
-    # Sequences per process (GPU) in one forward/backward: what bounds memory. Gradient accumulation
-    # follows from it: batch_size / (world_size x micro_batch) micro-batches per step. None: the
-    # process's whole share of the batch at once (no accumulation).
-    micro_batch: int | None = None
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    # After warm-up: constant, or cosine decay to 10 % of lr at max_steps (short runs end sharper).
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    max_steps: int = 1000
-    grad_clip: float = 1.0
-    ema_decay: float = 0.999
-    eval_every: int = 250
-    k_mc: int = 8
-    save_every: int = 250
-    # Steps at which a copy of the checkpoint is kept as out_dir/checkpoint-step{N} (never overwritten),
-    # e.g. (250_000,) for the paper's TinyGSM length inside a longer run.
-    keep_steps: tuple[int, ...] = ()
-    # When stderr is not a terminal (a cluster's log file): one progress line every this many steps
-    # instead of tqdm's redrawn bar (harness/runtime/progress.py).
-    log_every: int = 100
-    seed: int = 0
-    device: str = "auto"  # auto: cuda if available, else cpu (distributed.py: the device policy)
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 autocast (CUDA)
-    # auto: SDPA's boolean mask on every device. Measured on an H200 (paper-size model, batch 8,
-    # L = 1024, bf16): 0.094 s/step with SDPA, 0.113 s with compiled flex_attention, 0.660 s eager.
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
-    # Start from another checkpoint's weights (same tokenizer and shape; fresh optimizer and schedule),
-    # e.g. a mixture warm-started from the AR model: the clean stream and the AR path are the same
-    # computation, so what AR has learned (copying from the prompt) carries over. None: random init.
-    init_from: str | None = None
-    compile: bool = False  # torch.compile the training forward (one graph per block size, no break: `training_net`)
-    peak_tflops: float | None = None  # the chip's dense bf16 peak for MFU; None: looked up by device name
-    # Timeout of every collective (NCCL's own default is 10 minutes). Data preparation happens before
-    # the process group exists (`prepare.ensure_prepared`), so this only bounds training's own waits.
-    dist_timeout_s: int = DEFAULT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.size not in SIZES:
-            raise ValueError(f"unknown size {self.size!r}; choose one of {sorted(SIZES)}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision={self.precision!r}; choose 'fp32' or 'bf16'")
-        if self.attention not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"attention={self.attention!r}; choose 'auto', 'sdpa' or 'flex'")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule={self.lr_schedule!r}; choose 'constant' or 'cosine'")
-        if self.architecture not in ("blockgen", "ar"):
-            raise ValueError(f"architecture={self.architecture!r}; choose 'blockgen' or 'ar'")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
-        if any(s < 1 for s in self.keep_steps) or len(set(self.keep_steps)) != len(self.keep_steps):
-            raise ValueError(f"keep_steps={list(self.keep_steps)}; choose distinct optimizer steps >= 1 (--keep-steps 250000 500000)")
-
-    def grad_accum(self, world: int) -> int:
-        """Micro-batches per process per optimizer step: batch_size / (world x micro_batch)."""
-        micro = self.micro_batch or self.batch_size // world
-        if micro < 1 or self.batch_size % (world * micro):
-            raise ValueError(
-                f"batch_size={self.batch_size} (--batch-size / BATCH) is not divisible by world_size={world} (NGPU / NPROC) "
-                f"x micro_batch={micro} (--micro-batch / MICRO_BATCH): the global batch must be world_size x micro_batch "
-                f"x a whole number of accumulation steps"
-            )
-        return self.batch_size // (world * micro)
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step `step` (0-based): linear warm-up, then the schedule."""
-        warm = min(1.0, (step + 1) / max(self.warmup_steps, 1))
-        if self.lr_schedule == "constant" or step < self.warmup_steps:
-            return self.lr * warm
-        progress = (step - self.warmup_steps) / max(self.max_steps - self.warmup_steps, 1)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-    def model_config(self, vocab_size: int, special: dict, device: str) -> BlockGenConfig:
-        attention = "sdpa" if self.attention == "auto" else self.attention
-        return BlockGenConfig(
-            vocab_size=vocab_size,
-            seq_len=self.seq_len,
-            prior=self.prior,
-            block_sizes=tuple(self.block_sizes),
-            block_weights=tuple(self.block_weights),
-            causal_clean=self.causal_clean,
-            attention=attention,
-            special_tokens=special,
-            architecture=self.architecture,
-            adaln=self.architecture != "ar",
-            shape=SIZES[self.size],
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# Settings a resumed run may change (e.g. extending the step budget); anything else must match.
-# micro_batch too (a run resumed on smaller GPUs): it splits the same global batch into other slots,
-# so the block-size and noise draws differ from the uninterrupted run's, the objective does not.
-RESUMABLE_CHANGES = frozenset(
-    {"init_from", "max_steps", "eval_every", "save_every", "device", "out_dir", "attention", "compile", "peak_tflops",
-     "micro_batch", "dist_timeout_s", "keep_steps", "log_every"}
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,110 +80,6 @@ class MetricsLog:
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
-
-
-def keep_dir(out_dir: str | Path, step: int) -> Path:
-    """Where the copy kept at `step` (`keep_steps`) lives."""
-    return Path(out_dir) / f"checkpoint-step{step}"
-
-
-# ---------------------------------------------------------------------------------------------
-# one run directory for every rank
-
-RUN_TOKEN = ".run-token"  # rank 0's fresh token in the run directory, read back by every rank at start
-SHARED_STORAGE = ("a run's directory (RUNS) and data cache must be on a file system every node shares (NFS, Lustre, "
-                  "GPFS; not a node's local disk): docs/training.md, \"Multi-node\"")
-
-
-class RunDirectoryMismatch(ValueError):
-    """A rank sees another run directory than rank 0's: machines without a shared file system."""
-
-
-def checkpoint_step(ckpt_dir: Path) -> int:
-    """The step of the checkpoint at `ckpt_dir` (0: none)."""
-    try:
-        return int(json.loads((ckpt_dir / "config.json").read_text())["training"]["step"])
-    except (OSError, KeyError, ValueError):
-        return 0
-
-
-def check_same_run_directory(out: Path, ckpt_dir: Path, d: Distributed) -> None:
-    """Fail at start unless every rank sees rank 0's run directory: the token rank 0 has just written there
-    and the same checkpoint step. A rank on a machine without the shared file system would otherwise
-    start at step 0 while the others resume (two models, or a hang in mismatched collectives)."""
-    if d.world_size == 1:
-        return
-    if d.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f"{RUN_TOKEN}.tmp"
-        tmp.write_text(os.urandom(16).hex())
-        os.replace(tmp, out / RUN_TOKEN)
-    dist.barrier()
-    try:
-        token = (out / RUN_TOKEN).read_text()
-    except OSError:
-        token = "(none)"
-    seen = {"host": socket.gethostname(), "dir": str(out.resolve()), "token": token, "step": checkpoint_step(ckpt_dir)}
-    everyone: list = [None] * d.world_size
-    dist.all_gather_object(everyone, seen)
-    reference = everyone[0]
-    differ = [(rank, s) for rank, s in enumerate(everyone) if (s["token"], s["step"]) != (reference["token"], reference["step"])]
-    if differ:
-        lines = [f"rank {rank} on {s['host']} sees {s['dir']} with checkpoint step {s['step']} "
-                 f"({'another run token' if s['token'] != '(none)' else 'no run token'})" for rank, s in differ[:4]]
-        raise RunDirectoryMismatch(
-            f"the ranks do not share one run directory: rank 0 on {reference['host']} sees {reference['dir']} with "
-            f"checkpoint step {reference['step']}, but {'; '.join(lines)}{' ...' if len(differ) > 4 else ''}. "
-            f"Training on several machines needs a shared file system: {SHARED_STORAGE}")
-
-
-# ---------------------------------------------------------------------------------------------
-# stopping on a signal
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM: preemption, `--signal=USR1@SECONDS` before the time limit
-
-
-class TrainingStopped(Exception):
-    """The run stopped on a signal after writing a checkpoint at `step`; rerunning the command resumes."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint {checkpoint} written; "
-                         f"run the same command again to resume")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention for "ended by this signal"
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """While training: STOP_SIGNALS set a flag (a box holding the signal's number) instead of killing the
-    process, so the loop can finish its step and save. The previous handlers come back afterwards."""
-    box = [0]
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield box
-        return
-
-    def handler(signum, frame):
-        box[0] = signum
-
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield box
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def agreed_stop(signum: int, d: Distributed) -> int:
-    """The signal any rank received (0: none), the same on every rank: all must save and stop at the
-    same step, or those still training wait in a collective for the ones that left."""
-    if d.world_size == 1:
-        return signum
-    flag = torch.tensor([signum], device=d.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,122 +179,6 @@ def keep_records_up_to(log_path: Path, step: int) -> None:
         os.replace(tmp, log_path)
 
 
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from NVIDIA's data sheets, matched
-# against torch.cuda.get_device_name(); the longest matching key wins ("H100 PCIe" before "H100").
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
-    "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-}
-
-
-def peak_flops(device: str, override_tflops: float | None = None) -> float | None:
-    """The chip's peak FLOP/s for MFU: the override, else the table above, else None (CPU, unknown)."""
-    if override_tflops is not None:
-        return override_tflops * 1e12
-    if not device.startswith("cuda"):
-        return None
-    name = torch.cuda.get_device_name(torch.device(device))
-    matches = [key for key in PEAK_BF16_TFLOPS if key in name]
-    return PEAK_BF16_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
-
-
-def network_tokens(config: BlockGenConfig) -> int:
-    """Tokens one training sequence puts through the network: 2L (`[x0 ; xt]`), L for the plain AR."""
-    return config.seq_len if config.architecture == "ar" else 2 * config.seq_len
-
-
-def training_flops_per_step(config: BlockGenConfig, batch_size: int) -> float:
-    """Model FLOPs of one optimizer step: 3x the forward matmuls (forward + backward).
-
-    Each sequence puts N = 2L tokens (`[x0 ; xt]`; the plain AR baseline: N = L) through n_layers
-    blocks of width d:
-      weights      2 N * 12 d^2 per layer (qkv 3d^2, output d^2, MLP 8d^2)
-      attention    2 * 2 N^2 d per layer (scores and values over all N keys, as SDPA computes them)
-      output head  2 L d V (noisy half only)
-    Embedding lookups, norms, adaLN (once per sequence) and softmax are left out.
-    """
-    n, d, L = network_tokens(config), config.shape.d_model, config.seq_len
-    vocab = config.backbone().vocab_size
-    forward = config.shape.n_layers * (2 * n * 12 * d * d + 4 * n * n * d) + 2 * L * d * vocab
-    return 3.0 * forward * batch_size
-
-
-# Activation elements autograd keeps per layer, per token through the network (`network_tokens`), per
-# unit of width d: measured 24.3-25.8 with torch.autograd.graph.saved_tensors_hooks on CPU (fp32, eager,
-# dropout 0; tests/test_memory.py pins it), about 20 without adaLN (the plain AR baseline); dropout adds
-# two boolean masks. SDPA's fused kernels (CPU flash, CUDA memory-efficient) keep no N x N attention
-# matrix. Bytes per element: 4 in fp32; 2.5 under bf16 autocast (matmul inputs in bf16, LayerNorm
-# inputs and the residual stream in fp32) is inferred from the 56.5 GB eager peak measured on an H200
-# at 32 x 1,024 (reference H200 measurements, docs/training.md), not measured here.
-ACTIVATION_ELEMENTS_PER_LAYER = {True: 25.0, False: 20.0}  # by adaLN
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per process at the start of training (eager; torch.compile measured ~9 % lower on an H200)."""
-
-    weights: float
-    gradients: float
-    optimizer: float  # AdamW's two moments
-    ema: float
-    other_states: float  # DDP gradient buckets, bf16 weight copies under autocast
-    activations: float  # kept for backward by one micro-batch: the layers and the float32 logits
-    backward_transient: float  # the logits' gradient (and its bf16 copy), alive at the start of backward
-    micro_batch: int
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.ema + self.other_states + self.activations + self.backward_transient
-
-    def describe(self) -> str:
-        def size(n: float) -> str:
-            return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
-
-        return (
-            f"memory estimate per process (derived, eager): weights {size(self.weights)}, gradients {size(self.gradients)}, "
-            f"AdamW {size(self.optimizer)}, EMA {size(self.ema)}, other {size(self.other_states)}, "
-            f"activations {size(self.activations)} per micro-batch of {self.micro_batch} "
-            f"(+{size(self.backward_transient)} in backward): about {size(self.total)} in all; "
-            f"lower it with --micro-batch / MICRO_BATCH"
-        )
-
-
-def memory_estimate(config: BlockGenConfig, n_params: int, micro_batch: int, bf16: bool, world: int) -> MemoryEstimate:
-    """The terms of `MemoryEstimate` from the model's shape (formula in the comment above)."""
-    tokens = network_tokens(config)
-    vocab = config.backbone().vocab_size
-    per_element = 2.5 if bf16 else 4.0
-    shape = config.shape
-    per_layer = ACTIVATION_ELEMENTS_PER_LAYER[config.adaln] + (0.5 if shape.dropout > 0 else 0.0)  # bool masks: 1 byte
-    layers = micro_batch * shape.n_layers * tokens * shape.d_model * per_layer * per_element
-    logits = micro_batch * config.seq_len * vocab * 4.0  # float32, kept by the loss's logsumexp / log_softmax
-    return MemoryEstimate(
-        weights=4.0 * n_params,
-        gradients=4.0 * n_params,
-        optimizer=8.0 * n_params,
-        ema=4.0 * n_params,
-        other_states=(4.0 * n_params if world > 1 else 0.0) + (2.0 * n_params if bf16 else 0.0),
-        activations=layers + logits,
-        # the uniform prior's float64 NELBO chunk, recomputed in backward: about 6 (chunk, V) float64 tensors
-        backward_transient=logits * (1.5 if bf16 else 1.0) + (6 * 8.0 * NELBO_CHUNK_TOKENS * vocab if config.prior == "uniform" else 0.0),
-        micro_batch=micro_batch,
-    )
-
-
-@contextlib.contextmanager
-def names_the_knob(micro: int, grad_accum: int):
-    """Re-raise an out-of-memory error with the setting that fixes it."""
-    try:
-        yield
-    except torch.OutOfMemoryError as err:
-        raise torch.OutOfMemoryError(
-            f"out of memory at {micro} sequences per process and micro-batch ({grad_accum} micro-batches per step): "
-            f"lower --micro-batch (Makefile: MICRO_BATCH), e.g. to {max(micro // 2, 1)}; the global batch and the "
-            f"results stay the same, gradient accumulation grows. ({err})"
-        ) from err
-
-
 def training_net(
     model: BlockGen, distributed: bool, compile: bool, backend: str = "inductor"
 ) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel | None]:
@@ -575,17 +238,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
     step = 0
     if resuming:
-        state = torch.load(ckpt_dir / TRAINING_STATE, map_location=d.device, weights_only=False)
-        # a setting added after the checkpoint was written had its default then
-        saved = {**TrainConfig().to_dict(), **state["config"]}
-        saved["data"] = current_names(saved["data"])  # renamed values ("embedded") in today's spelling
-        changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
-        if changed:
-            raise ValueError(f"{ckpt_dir} was written with different {changed}; use another out_dir")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        ema.shadow = {k: v.to(d.device) for k, v in state["ema"].items()}
-        step = state["step"]
+        step = resume_training_state(ckpt_dir, config, model, optimizer, ema, d.device)
         if d.is_main:
             print(f"resuming from step {step} of {ckpt_dir}", flush=True)
     net, ddp = training_net(model, d.world_size > 1, config.compile)
