@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_eval_cost.py                     # every offline grid's presets, fp32 and bf16
     .venv/bin/python bench/bench_eval_cost.py --grids demo --repeats 1
-    .venv/bin/python bench/bench_eval_cost.py --write-table       # also print `eval_cost.CPU_RATES` to paste
+    .venv/bin/python bench/bench_eval_cost.py --write-rates       # also write them: eval_cost.CPU_RATES_FILE
+    .venv/bin/python bench/bench_eval_cost.py --write-rates FILE  # ... or FILE
 
 For every (preset, batch size) of the offline grids (`harness/evaluation/grids.py`: owt-embedded, gsm8k-embedded,
 demo, ci-gsm8k) a model of the preset's shape with RANDOM weights (cost does not depend on the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from blockgen.harness.costs import eval_cost
+from blockgen.harness.costs.data_file import write_dataclass
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
 from blockgen.harness.runtime.precision import compute_precision
@@ -161,9 +164,9 @@ OVERHEAD_SETTINGS = {"owt_ppl_embedded": ("owt-embedded", "masked-mix", "likelih
                      "gsm8k_code_embedded": ("gsm8k-embedded", "masked-mix", "arpc-3-2-1-T0.1")}
 
 
-def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict[str, float]:
+def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int, measured: eval_cost.CpuRates) -> dict[str, float]:
     """Per task: a real sweep setting's wall seconds (`sweep._evaluate`, the model and scorer already
-    loaded, best of repeats) minus the work `pricing.estimate` prices from the rates just measured."""
+    loaded, best of repeats) minus the work `pricing.estimate` prices from the rates just `measured`."""
     import tempfile
 
     from blockgen.harness.evaluation import pricing, settings, sweep
@@ -184,7 +187,7 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int) -> dict
                 wall, _ = best(lambda: sweep._evaluate(s, g, lm, rng, pool, Path(tmp) / task, "cpu"), repeats)
             finally:
                 pool.close()
-            priced = pricing.estimate(g, s, model, metadata).seconds
+            priced = pricing.estimate(g, s, model, metadata, cpu_rates=measured).seconds
             out[task] = max(0.0, wall - priced)
             print(f"overhead of {task}: setting {s.run} {s.label} at limit {limit}: {wall:.2f} s wall, "
                   f"{priced:.2f} s priced work -> {out[task]:.2f} s per setting")
@@ -198,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: torch's)")
     parser.add_argument("--scorer", default="runs/ci-pipeline/scorer-text", help="offline Gen PPL scorer directory")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--write-table", action="store_true", help="print eval_cost.CPU_RATES (float32) to paste")
+    parser.add_argument("--write-rates", nargs="?", const=str(eval_cost.CPU_RATES_FILE), metavar="FILE",
+                        help="write the float32 rates to FILE (default: the stored file the dry run prices with, "
+                             "harness/costs/measured_rates/cpu-2-core.json)")
     parser.add_argument("--runs", default="runs/issue20-ci", help="trained offline checkpoints for the per-setting overhead")
     parser.add_argument("--overhead-limit", type=int, default=8)
     args = parser.parse_args(argv)
@@ -224,26 +229,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{load()}")
     sandbox = sandbox_program_s(32, args.repeats)
     print(f"sandbox: {sandbox * 1e3:.1f} ms per gsm8k_code program (32 programs, {os.cpu_count()} workers)")
+    table: dict[str, tuple[eval_cost.CpuRate, ...]] = {}  # preset -> one rate per measured batch size
+    for (name, batch), r in rates.items():
+        rate = eval_cost.CpuRate(batch, r["pass_s"], r["call_s"], r["ar_call_s"], scorer if name.startswith("owt") else None)
+        table[name] = (*table.get(name, ()), rate)
+    command = " ".join([".venv/bin/python bench/bench_eval_cost.py", *(sys.argv[1:] if argv is None else argv)])
+    measured = eval_cost.CpuRates(command=command, date=datetime.date.today().isoformat(), torch_threads=args.threads,
+                                  cores=os.cpu_count() or 1, load_average=os.getloadavg(), rates=table,
+                                  setting_overhead_s={}, sandbox_program_s=sandbox)
     # the per-setting overhead is what a real setting takes beyond the work priced from these rates
-    eval_cost.CPU_RATES.clear()
-    eval_cost.CPU_RATES.update({key: eval_cost.CpuRate(key[1], r["pass_s"], r["call_s"], r["ar_call_s"],
-                                                       scorer if key[0].startswith("owt") else None)
-                                for key, r in rates.items()})
-    eval_cost.CPU_SANDBOX_PROGRAM_S = sandbox
-    eval_cost.CPU_SETTING_OVERHEAD_S.clear()
-    overhead = setting_overhead_s(args.runs, args.scorer, args.overhead_limit, args.repeats)
+    overhead = setting_overhead_s(args.runs, args.scorer, args.overhead_limit, args.repeats, measured)
     print(f"\n{load()}")
-    if args.write_table:
-        today = datetime.date.today().isoformat()
-        print(f'\nCPU_RATES_MEASURED = "{today}, {args.threads} torch thread(s) on {os.cpu_count()} cores, {load()}"')
-        print("CPU_RATES: dict[tuple[str, int], CpuRate] = {")
-        for (name, batch), r in rates.items():
-            sc = scorer if name.startswith("owt") else None
-            vals = ", ".join("None" if r[k] is None else f"{r[k]:.5f}" for k in ("pass_s", "call_s", "ar_call_s"))
-            print(f"    ({name!r}, {batch}): CpuRate({batch}, {vals}, {'None' if sc is None else f'{sc:.5f}'}),")
-        print("}")
-        print(f"CPU_SETTING_OVERHEAD_S: dict[str, float] = {{{', '.join(f'{t!r}: {v:.2f}' for t, v in overhead.items())}}}")
-        print(f"CPU_SANDBOX_PROGRAM_S: float | None = {sandbox:.4f}")
+    if args.write_rates:
+        path = write_dataclass(rounded(measured, overhead), args.write_rates)
+        print(f"wrote {path}")
+
+
+def rounded(measured: eval_cost.CpuRates, overhead: dict[str, float]) -> eval_cost.CpuRates:
+    """What the rates file keeps: seconds per call to 5 decimals, the overhead to 2, the sandbox to 4, and
+    the load average when the run ended."""
+    def r5(x: float | None) -> float | None:
+        return None if x is None else round(x, 5)
+
+    table = {name: tuple(eval_cost.CpuRate(r.batch, round(r.pass_s, 5), r5(r.call_s), r5(r.ar_call_s), r5(r.scorer_sample_s))
+                         for r in rows) for name, rows in measured.rates.items()}
+    return replace(measured, load_average=tuple(round(x, 2) for x in os.getloadavg()), rates=table,
+                   setting_overhead_s={task: round(s, 2) for task, s in overhead.items()},
+                   sandbox_program_s=None if measured.sandbox_program_s is None else round(measured.sandbox_program_s, 4))
 
 
 if __name__ == "__main__":

@@ -11,15 +11,19 @@ and `blockgen sweep --dry-run`'s cost lines (harness/costs/eval_cost.py, harness
   names its assumptions and its rates file, and its per-model subtotals and total are the lines' sums;
   the counted work follows the samplers' calls and the bound's passes. (The rates file itself:
   tests/test_rates.py.)
+- The measured CPU rates and the H200 reference steps are data files (harness/costs/measured_rates/),
+  read when first priced; a missing or malformed one is a one-line error naming it.
 - The `owt` grid scores the whole held-out split (the paper's validation set): no limit.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import math
 import re
 from contextlib import redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ import torch
 
 from blockgen.harness import cli
 from blockgen.harness.costs import eval_cost
+from blockgen.harness.costs.data_file import RatesError, read_dataclass
 from blockgen.harness.evaluation import pricing, settings
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.runtime.precision import compute_precision
@@ -171,7 +176,7 @@ def _sum(lines: list[str], unit: str) -> float:
 @pytest.mark.parametrize("name", ["gsm8k-embedded", "owt-embedded", "demo"])
 def test_offline_dry_run_prices_every_setting_from_measured_rates(name):
     text = _dry_run(name)
-    assert "MEASURED by bench/bench_eval_cost.py" in text and eval_cost.CPU_RATES_MEASURED in text
+    assert "MEASURED by bench/bench_eval_cost.py" in text and eval_cost.cpu_rates().measured in text
     g = GRIDS[name]
     lines = [line for line in _lines(text) if "owt_ppl" not in line or g.limit is not None]
     assert lines and all(" CPU-s  (" in line for line in lines)  # every setting priced
@@ -194,7 +199,8 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     calls = math.ceil(16 / g.batch_size) * per_block * math.ceil(96 / 16)
     rate, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", g.batch_size)
     # besides the model calls: each problem's program in the sandbox, and the setting's fixed overhead
-    extra = 16 * eval_cost.CPU_SANDBOX_PROGRAM_S + eval_cost.CPU_SETTING_OVERHEAD_S["gsm8k_code_embedded"]
+    measured = eval_cost.cpu_rates()
+    extra = 16 * measured.sandbox_program_s + measured.setting_overhead_s["gsm8k_code_embedded"]
     assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
     demo = GRIDS["demo"]  # a max_gen_toks cap: full batches of the capped budget
     what = pricing.estimate(demo, next(s for s in settings.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
@@ -206,6 +212,45 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     single, _ = eval_cost.cpu_rate("tinygsm-embedded-masked-mix", 1)
     assert note == "rate scaled from batch 1" and scaled.call_s == pytest.approx(2 * single.call_s)
     assert eval_cost.cpu_rate("no-such-preset", 8) == (None, "no measured rate for no-such-preset")
+
+
+def test_the_rates_files_hold_what_the_dry_run_prices_with():
+    stored = json.loads(eval_cost.CPU_RATES_FILE.read_text())
+    for preset, rows in stored["rates"].items():
+        for row in rows:
+            assert eval_cost.cpu_rate(preset, row["batch"]) == (eval_cost.CpuRate(**row), "")
+    measured = eval_cost.cpu_rates()
+    assert measured.measured == "2026-11-27, 2 torch thread(s) on 2 cores, load average 1.72 0.62 0.23"
+    assert measured.setting_overhead_s == stored["setting_overhead_s"] and measured.sandbox_program_s == 0.0117
+    reference = eval_cost.h200_reference()
+    assert (reference.train_step_s, reference.step_batch, reference.step_len) == ({"two_stream": 0.094, "one_stream": 0.057}, 8, 1024)
+    assert eval_cost.forward_seconds("one_stream", 1024) == pytest.approx(0.057 / 3 / 8)
+    # given rates (a bench's fresh ones) price instead of the stored file's
+    g = GRIDS["gsm8k-embedded"]
+    s = next(s for s in settings.settings(g) if (s.run, s.label) == ("tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"))
+    calls_only = replace(measured, setting_overhead_s={}, sandbox_program_s=None)
+    doubled = replace(calls_only, rates={p: tuple(replace(r, call_s=2 * r.call_s) for r in rows if r.call_s)
+                                         for p, rows in measured.rates.items()})
+    single = pricing.estimate(g, s, "masked-mix", cpu_rates=calls_only).seconds
+    assert pricing.estimate(g, s, "masked-mix").seconds > single > 0
+    assert pricing.estimate(g, s, "masked-mix", cpu_rates=doubled).seconds == pytest.approx(2 * single)
+
+@pytest.mark.parametrize("text, problem", [(None, "cannot read it"), ("{", "not JSON"),
+                                           ('{"source": "x", "train_step_s": {"one_stream": "fast"}, "step_batch": 8, "step_len": 1024}',
+                                            "train_step_s.one_stream: expected float")])
+def test_a_missing_or_malformed_rates_file_is_one_line_naming_it(tmp_path, monkeypatch, text, problem):
+    path = tmp_path / "h200-reference.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(RatesError, match=rf"^rates file {re.escape(str(path))}: {problem}[^\n]*\Z"):
+        read_dataclass(eval_cost.H200Reference, path)
+    monkeypatch.setattr(eval_cost, "CPU_RATES_FILE", path)  # the cached loader names its file too
+    eval_cost.cpu_rates.cache_clear()
+    try:
+        with pytest.raises(RatesError, match=re.escape(str(path))):
+            eval_cost.cpu_rates()
+    finally:
+        eval_cost.cpu_rates.cache_clear()
 
 
 def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores_the_whole_held_out_split(monkeypatch, tmp_path):

@@ -24,7 +24,7 @@ import pytest
 
 from blockgen.harness.checkpoints import checkpoint
 from blockgen.harness import cli
-from blockgen.harness.costs import rates
+from blockgen.harness.costs import data_file, rates
 from blockgen.harness.evaluation import pricing, settings, sweep
 from blockgen.harness.costs.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
 
@@ -63,7 +63,7 @@ def dry_run(*args: str) -> str:
 def test_round_trip_and_the_stored_file_holds_the_measured_figures(tmp_path):
     r = stored()
     assert read_rates(write_rates(r, tmp_path / "copy.json")) == r
-    assert (tmp_path / "copy.json").read_text() == rates.to_json(r) == rates.STORED_RATES.read_text()
+    assert (tmp_path / "copy.json").read_text() == data_file.to_json(r) == rates.STORED_RATES.read_text()
     assert (r.version, r.device, r.size) == (rates.RATES_VERSION, "NVIDIA H100 80GB HBM3", "paper")
     assert "docs/results.md" in r.provenance.source and r.provenance.date == "2026-11-26"
     # docs/results.md's generation table: seconds per generate() run at batch 1 and 64 / its model calls

@@ -7,19 +7,20 @@ per other block size: `likelihood_passes`), sampler calls over all blocks of a s
 plus the samples a Gen PPL scorer reads.
 
 Prices (`Price`: the headline seconds, and at full scale the FLOP bound beside it):
-- offline grids (CPU): **measured** seconds per batched call of each kind (`CPU_RATES`), per preset at
-  the grid's batch size, from `bench/bench_eval_cost.py` (which prints the table below);
+- offline grids (CPU): **measured** seconds per batched call of each kind (`cpu_rates()`), per preset at
+  the grid's batch size, from `bench/bench_eval_cost.py` (which writes them: `CPU_RATES_FILE`);
 - full-scale grids (GPU): the work counted by `eval_cost.plan_cost` (`FullScalePlan`) times the
   **measured** seconds per batched call of a rates file (harness/costs/rates.py: `make gpu-check` writes one,
   the stored H100 file otherwise), in the setting's own precision (`rates.full_scale_price`); a part without
   a measured rate (e.g. likelihood passes the file lacks, the Gen PPL scorer) is priced by the
   **derived** FLOP bound and counted apart (`Price.derived`). The FLOP bound of the whole setting is
-  printed beside it: the reference bf16 H200 training steps (0.094 s BlockGen, 0.057 s AR, batch 8 x
-  1,024), a forward = 1/3 of a step, scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
+  printed beside it: the reference bf16 H200 training steps (`h200_reference()`: 0.094 s BlockGen, 0.057 s
+  AR, batch 8 x 1,024), a forward = 1/3 of a step, scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Literal
 
 from blockgen.harness.checkpoints.release_catalogue import RELEASES
 from blockgen.harness.checkpoints.release_paths import DATASETS, parse_release_path
+from blockgen.harness.costs.data_file import MEASURED_RATES, read_dataclass
 
 Kind = Literal["likelihood", "diffusion", "ar"]
 
@@ -108,52 +110,63 @@ class CpuRate:
     scorer_sample_s: float | None = None  # owt_genppl's scoring per sample: Gen PPL, MAUVE features (sample and reference), MAUVE
 
 
-# Measured by `bench/bench_eval_cost.py --write-table` on this project's 2-core CPU machine (torch threads
-# and load average in CPU_RATES_MEASURED); (preset, batch) -> rate. Regenerate after a model change.
-# CPU_SETTING_OVERHEAD_S: per task, what one setting costs besides its model calls (lm-eval building the
-# task and its documents, the sweep's logging, for gsm8k the sandbox start), from a real sweep setting
-# at a small limit minus its priced work; CPU_SANDBOX_PROGRAM_S: one gsm8k_code program run in the
-# sandbox, programs in parallel on the machine's cores.
-CPU_RATES_MEASURED = "2026-11-27, 2 torch thread(s) on 2 cores, load average 1.72 0.62 0.23"
-CPU_RATES: dict[tuple[str, int], CpuRate] = {
-    ('owt-embedded-ar', 8): CpuRate(8, 0.01426, None, 0.00075, 0.05925),
-    ('owt-embedded-masked-mix', 8): CpuRate(8, 0.02606, 0.00252, 0.00089, 0.05925),
-    ('owt-embedded-uniform-mix', 8): CpuRate(8, 0.01926, 0.00239, 0.00086, 0.05925),
-    ('tinygsm-embedded-ar', 1): CpuRate(1, 0.00152, None, 0.00038, None),
-    ('tinygsm-embedded-masked-16', 1): CpuRate(1, 0.00241, 0.00081, None, None),
-    ('tinygsm-embedded-masked-mix', 1): CpuRate(1, 0.00239, 0.00083, 0.00056, None),
-    ('gsm-ar', 16): CpuRate(16, 0.16083, None, 0.00451, None),
-    ('gsm-masked-mix', 16): CpuRate(16, 0.16063, 0.01582, 0.00436, None),
-    ('gsm-uniform-mix', 16): CpuRate(16, 0.16262, 0.01534, 0.00424, None),
-    ('gsm-masked-mix', 32): CpuRate(32, 0.33653, 0.02844, 0.00683, None),
-}
-CPU_SETTING_OVERHEAD_S: dict[str, float] = {'owt_ppl_embedded': 0.39, 'owt_genppl_embedded': 0.00, 'gsm8k_code_embedded': 0.52}
-CPU_SANDBOX_PROGRAM_S: float | None = 0.0117
+CPU_RATES_FILE = MEASURED_RATES / "cpu-2-core.json"
 
 
-def cpu_rate(preset: str, batch: int) -> tuple[CpuRate | None, str]:
+@dataclass(frozen=True)
+class CpuRates:
+    """What `bench/bench_eval_cost.py --write-rates` measured on this project's 2-core CPU machine
+    (`CPU_RATES_FILE`), float32. Regenerate after a model change."""
+
+    command: str  # what measured them
+    date: str
+    torch_threads: int
+    cores: int
+    load_average: tuple[float, ...]  # over 1, 5 and 15 minutes, when the measurement ended
+    rates: dict[str, tuple[CpuRate, ...]]  # preset -> its measured rates, one per batch size
+    # per task, what one setting costs besides its model calls (lm-eval building the task and its
+    # documents, the sweep's logging, for gsm8k the sandbox start): a real sweep setting at a small
+    # limit minus its priced work
+    setting_overhead_s: dict[str, float]
+    sandbox_program_s: float | None  # one gsm8k_code program in the sandbox, programs in parallel on the cores
+
+    @property
+    def measured(self) -> str:
+        """The conditions, as the dry run prints them."""
+        load = " ".join(f"{x:.2f}" for x in self.load_average)
+        return f"{self.date}, {self.torch_threads} torch thread(s) on {self.cores} cores, load average {load}"
+
+
+@functools.cache  # read when first priced, not at import
+def cpu_rates() -> CpuRates:
+    return read_dataclass(CpuRates, CPU_RATES_FILE)
+
+
+def cpu_rate(preset: str, batch: int, measured: CpuRates | None = None) -> tuple[CpuRate | None, str]:
     """The measured rate of a preset at a batch size, else the nearest measured batch scaled per row
-    (calls cost roughly rows x tokens at these sizes: an estimate, said in the note)."""
-    if (preset, batch) in CPU_RATES:
-        return CPU_RATES[preset, batch], ""
-    measured = [b for (p, b) in CPU_RATES if p == preset]
-    if not measured:
+    (calls cost roughly rows x tokens at these sizes: an estimate, said in the note). `measured`: the
+    stored rates unless given (a bench's fresh ones)."""
+    by_batch = {r.batch: r for r in (measured or cpu_rates()).rates.get(preset, ())}
+    if batch in by_batch:
+        return by_batch[batch], ""
+    if not by_batch:
         return None, f"no measured rate for {preset}"
-    near = min(measured, key=lambda b: abs(b - batch))
-    r, scale = CPU_RATES[preset, near], batch / near
+    near = min(by_batch, key=lambda b: abs(b - batch))
+    r, scale = by_batch[near], batch / near
     mul = (lambda x: None if x is None else x * scale)
     return CpuRate(batch, r.pass_s * scale, mul(r.call_s), mul(r.ar_call_s), r.scorer_sample_s), f"rate scaled from batch {near}"
 
 
-def cpu_seconds(work: Work, rate: CpuRate, task: str = "") -> float | None:
+def cpu_seconds(work: Work, rate: CpuRate, task: str = "", measured: CpuRates | None = None) -> float | None:
     """Model calls x the measured seconds per call, plus the Gen PPL scorer per sample, the sandbox per
     gsm8k_code problem and the task's measured per-setting overhead."""
     per_call = {"likelihood": rate.pass_s, "diffusion": rate.call_s, "ar": rate.ar_call_s}[work.kind]
     if per_call is None:
         return None
+    measured = measured or cpu_rates()
     scorer = work.scored * (rate.scorer_sample_s or 0.0)
-    sandbox = work.rows * (CPU_SANDBOX_PROGRAM_S or 0.0) if task.startswith("gsm8k_code") else 0.0
-    return work.batched_calls * per_call + scorer + sandbox + CPU_SETTING_OVERHEAD_S.get(task, 0.0)
+    sandbox = work.rows * (measured.sandbox_program_s or 0.0) if task.startswith("gsm8k_code") else 0.0
+    return work.batched_calls * per_call + scorer + sandbox + measured.setting_overhead_s.get(task, 0.0)
 
 
 # ------------------------------------------------------------------------------ the offline tasks' rows
@@ -215,12 +228,25 @@ FULL_SCALE_ASSUMPTIONS = ("GPU-hours = batched calls x seconds per batched call 
 
 # ------------------------------------------------------------------------------ full-scale settings
 
-# Cost model, derived (no GPU was lent to this work): the reference H200 measurements (not in this repository) of the paper-size
-# network (bf16, SDPA, L = 1,024, batch 8): 0.094 s per BlockGen training step over [x0 ; xt] (2L
-# tokens) and 0.057 s per plain AR step (L tokens). A forward pass is taken as a third of a training
-# step (the backward costs about two forwards); time scales with tokens (attention's L^2 ignored).
-H200_TRAIN_STEP_S = {"two_stream": 0.094, "one_stream": 0.057}
-H200_STEP_BATCH, H200_STEP_LEN = 8, 1024
+H200_REFERENCE_FILE = MEASURED_RATES / "h200-reference.json"
+
+
+@dataclass(frozen=True)
+class H200Reference:
+    """The FLOP bound's yardstick (`H200_REFERENCE_FILE`): reference H200 training steps of the paper-size
+    network, not measured in this repository (no GPU was lent to this work)."""
+
+    source: str  # where the figures come from, and how they were taken
+    train_step_s: dict[str, float]  # per step: two_stream (BlockGen over [x0 ; xt], 2L tokens), one_stream (plain AR)
+    step_batch: int  # sequences per step
+    step_len: int  # tokens per sequence (L)
+
+
+@functools.cache  # read when first priced, not at import
+def h200_reference() -> H200Reference:
+    return read_dataclass(H200Reference, H200_REFERENCE_FILE)
+
+
 # OWT's held-out split: the last 100,000 of 8,013,769 documents, ~9e9 GPT-2 tokens in all (~1,120 per
 # document) -> ~1.1e8 tokens = ~110,000 chunks of 1,024 (approximate).
 OWT_PPL_SEQUENCES = 110_000
@@ -229,8 +255,10 @@ SCORER_PARAMS_RATIO = 774 / 170  # GPT-2 Large scores owt_genppl samples: its fo
 
 
 def forward_seconds(stream: str, tokens: float) -> float:
-    """Seconds of one forward pass over `tokens` tokens (of one sequence) on an H200 (derived)."""
-    per_token = H200_TRAIN_STEP_S[stream] / 3 / (H200_STEP_BATCH * H200_STEP_LEN * (2 if stream == "two_stream" else 1))
+    """Seconds of one forward pass over `tokens` tokens (of one sequence) on an H200 (derived): a third of a
+    reference training step (the backward costs about two forwards), scaled by tokens (attention's L^2 ignored)."""
+    ref = h200_reference()
+    per_token = ref.train_step_s[stream] / 3 / (ref.step_batch * ref.step_len * (2 if stream == "two_stream" else 1))
     return per_token * tokens
 
 

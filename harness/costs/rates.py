@@ -24,22 +24,19 @@ are interpolated linearly, outside them the nearest measured batch is scaled per
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import types
-import typing
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from blockgen.harness.costs.data_file import MEASURED_RATES, RatesError, build, read_json, write_dataclass
 from blockgen.harness.costs.eval_cost import FullScalePlan, Price
 
 RATES_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: before `training` (read as none measured)
 RATES_FILE = "rates.json"  # in gpu-check's output folder
 GPU_CHECK_FOLDER = "gpu-check"  # gpu-check's output folder in the runs folder (`make gpu-check`: $(RUNS)/gpu-check)
-STORED_RATES = Path(__file__).resolve().parent / "measured_rates" / "nvidia-h100-80gb-hbm3.json"
+STORED_RATES = MEASURED_RATES / "nvidia-h100-80gb-hbm3.json"
 
 PRECISIONS = ("float32", "float32+tf32", "bfloat16", "bfloat16+tf32")
 SIZES = ("micro", "tiny", "paper")
@@ -55,10 +52,6 @@ def precision_label(dtype: str | None, tf32: bool = False) -> str:
 
     name = "float32" if dtype is None else str(DTYPES[check_dtype(dtype)]).removeprefix("torch.")
     return name + ("+tf32" if tf32 else "")
-
-
-class RatesError(ValueError):
-    """A rates file that cannot be used; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
@@ -178,30 +171,14 @@ def interpolate(points: dict[int, float], batch: int) -> tuple[float, str]:
 # ------------------------------------------------------------------------------ reading and writing
 
 
-def to_json(rates: Rates) -> str:
-    return json.dumps(asdict(rates), indent=1) + "\n"
-
-
 def write_rates(rates: Rates, path: str | Path) -> Path:
     """Write atomically (a reader never sees half a file); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_json(rates))
-    os.replace(tmp, path)
-    return path
+    return write_dataclass(rates, path)
 
 
 def read_rates(path: str | Path) -> Rates:
     """A rates file, checked: RatesError names the file and the first bad field."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise RatesError(f"rates file {path}: cannot read it ({err.strerror or err})") from None
-    except ValueError as err:
-        raise RatesError(f"rates file {path}: not JSON ({err})") from None
-    return from_dict(data, str(path))
+    return from_dict(read_json(path), str(path))
 
 
 def from_dict(data: Any, where: str = "rates") -> Rates:
@@ -209,49 +186,9 @@ def from_dict(data: Any, where: str = "rates") -> Rates:
     if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         found = data.get("version") if isinstance(data, dict) else type(data).__name__
         raise RatesError(f"rates file {where}: version: expected one of {list(READABLE_VERSIONS)}, found {found!r}")
-    rates = replace(_build(Rates, data, where, ""), version=RATES_VERSION)
+    rates = replace(build(Rates, data, where), version=RATES_VERSION)
     _check_values(rates, where)
     return rates
-
-
-def _build(cls: type, data: Any, where: str, field_path: str) -> Any:
-    """`cls` from JSON, field by field against its annotations (str, int, float, nested dataclasses,
-    tuples of them): missing, unknown and mistyped fields are errors naming the field."""
-    if not isinstance(data, dict):
-        raise RatesError(f"rates file {where}: {field_path or 'top level'}: expected an object, found {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise RatesError(f"rates file {where}: {field_path}{unknown[0]}: unknown field; expected one of {names}")
-    values = {}
-    for f in fields(cls):
-        name = f"{field_path}{f.name}"
-        if f.name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:  # a required field
-                raise RatesError(f"rates file {where}: {name}: missing")
-            continue
-        values[f.name] = _value(hints[f.name], data[f.name], where, name)
-    return cls(**values)
-
-
-def _value(tp: Any, value: Any, where: str, name: str) -> Any:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:  # X | None
-        (inner,) = [a for a in args if a is not type(None)]
-        return None if value is None else _value(inner, value, where, name)
-    if is_dataclass(tp):
-        return _build(tp, value, where, name + ".")
-    if typing.get_origin(tp) is tuple:
-        if not isinstance(value, list):
-            raise RatesError(f"rates file {where}: {name}: expected a list, found {value!r}")
-        (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
-        return tuple(_value(item, v, where, f"{name}[{i}]") for i, v in enumerate(value))
-    ok = {str: isinstance(value, str), int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, (int, float)) and not isinstance(value, bool)}[tp]
-    if not ok:
-        raise RatesError(f"rates file {where}: {name}: expected {tp.__name__}, found {value!r}")
-    return float(value) if tp is float else value
 
 
 def _check_values(rates: Rates, where: str) -> None:

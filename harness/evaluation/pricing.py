@@ -20,18 +20,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from blockgen.harness.costs.eval_cost import Price
+from blockgen.harness.costs.eval_cost import CpuRates, Price
 from blockgen.harness.costs.rates import Rates, RateSource, full_scale_price, precision_label
 from blockgen.harness.evaluation.grids import Grid
 from blockgen.harness.evaluation.settings import GENPPL_TASKS, LIKELIHOOD, Setting, likelihood_args, model_block_sizes
 from blockgen.harness.training.presets import PRESETS, preset
 
 
-def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rates: Rates | None = None) -> Price:
+def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rates: Rates | None = None,
+             cpu_rates: CpuRates | None = None) -> Price:
     """One setting's price (`eval_cost.Price`). Full-scale grids (`eval_cost.plan_cost`: this project's presets
     are the paper's networks): GPU-seconds at the MEASURED rates of `rates` (harness/costs/rates.py) in the setting's
     precision, the FLOP bound (derived H200-seconds) where the file has no rate and beside it; without
-    `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`eval_cost.CPU_RATES`).
+    `rates`, the FLOP bound alone. Offline grids: CPU-seconds from MEASURED rates (`cpu_rates`, else the
+    stored ones: `eval_cost.cpu_rates()`).
     `seconds` is None where no rate applies."""
     from blockgen.harness.costs import eval_cost
     from blockgen.harness.checkpoints.release_catalogue import RELEASES
@@ -62,8 +64,8 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     if rows is None:
         return Price(None, f"all chunks x {calls} passes (count from the data: give --limit)")
     work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
-    rate, note = eval_cost.cpu_rate(preset_name, batch)
-    seconds = eval_cost.cpu_seconds(work, rate, s.task) if rate else None
+    rate, note = eval_cost.cpu_rate(preset_name, batch, cpu_rates)
+    seconds = eval_cost.cpu_seconds(work, rate, s.task, cpu_rates) if rate else None
     return Price(seconds, work.describe() + (f"; {note}" if note else ""))
 
 
@@ -71,14 +73,14 @@ def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None
     """One line per setting with its price, a subtotal per model and the total, the pricing's assumptions
     and (full scale) the rates file named in the header; returns the total headline seconds (CPU offline;
     full scale: at the measured rates of `source`, the FLOP bound where it has none)."""
-    from blockgen.harness.costs.eval_cost import CPU_ASSUMPTIONS, CPU_RATES_MEASURED, FULL_SCALE_ASSUMPTIONS
+    from blockgen.harness.costs.eval_cost import CPU_ASSUMPTIONS, FULL_SCALE_ASSUMPTIONS, cpu_rates
 
     out = out or sys.stdout
     rates = source.rates if source else None
     models = {g.run_name(m): m for m in g.models}
     loads = len({s.run for s in todo})  # the models with a setting to run (a shard's may be fewer)
     print(f"# blockgen sweep: {len(todo)} settings on {loads} models, each model loaded once", file=out)
-    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=CPU_RATES_MEASURED) if g.source.cpu_scale else FULL_SCALE_ASSUMPTIONS), file=out)
+    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=cpu_rates().measured) if g.source.cpu_scale else FULL_SCALE_ASSUMPTIONS), file=out)
     if source is not None:
         print(f"# rates: {source.describe()}", file=out)
     extra = dict(g.model_args)

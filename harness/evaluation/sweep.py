@@ -117,7 +117,7 @@ class SweepConfig:
         if g.source.cpu_scale:
             if self.rates:
                 raise ValueError(f"--rates prices full-scale grids; grid {self.grid} is priced from the measured CPU "
-                                 "rates of harness/costs/eval_cost.py (CPU_RATES)")
+                                 "rates of harness/costs/measured_rates/cpu-2-core.json")
             return None
         return rate_source(self.rates, None if self.shard else gpu_check_rates(self.runs))
 
