@@ -21,7 +21,8 @@ import time
 import torch
 
 from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
-from blockgen.models.sampling import SamplerConfig, generate
+from blockgen.models.sampler_config import SamplerConfig
+from blockgen.models.sampling import generate
 
 from bench_sampling import tiny_model  # bench/ is on sys.path when the script runs
 

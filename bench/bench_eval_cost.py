@@ -39,7 +39,8 @@ from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_wind
 from blockgen.harness.runtime.precision import compute_precision
 from blockgen.harness.training.presets import preset
 from blockgen.models.model import BlockGen
-from blockgen.models.sampling import SamplerConfig, generate
+from blockgen.models.sampler_config import SamplerConfig
+from blockgen.models.sampling import generate
 
 SPECIAL = {"bos": 0, "eos": 1, "pad": 2, "sep": [3]}
 OFFLINE_GRIDS = tuple(name for name, g in GRIDS.items() if g.source.cpu_scale)

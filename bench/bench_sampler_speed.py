@@ -21,7 +21,7 @@ import torch
 
 from blockgen.harness.demo import DEMO_MAX_GEN_TOKS, DIFFUSION_VARIANTS
 from blockgen.harness.evaluation.grids import sampler_label
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 
 def main() -> None:

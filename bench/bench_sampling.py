@@ -43,7 +43,8 @@ import torch
 
 from blockgen.models.backbone import SIZES
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.sampling import SamplerConfig, generate
+from blockgen.models.sampler_config import SamplerConfig
+from blockgen.models.sampling import generate
 
 # (N_step, GE, warmup) of ARPC with the paper's NFE label 4, 8, 16 (appendix D's rule)
 ARPC_SCHEDULES = {4: (3, 3, 0), 8: (6, 3, 0), 16: (12, 3, 0)}

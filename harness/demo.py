@@ -37,7 +37,7 @@ from blockgen.harness.evaluation.grids import demo_samplers as samplers_for
 from blockgen.harness.evaluation.grids import sampler_label
 from blockgen.harness.training.presets import DEMO_PRESETS, WARM_STARTS, preset
 from blockgen.harness.training.train_config import TrainConfig
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 
 @dataclass(frozen=True)

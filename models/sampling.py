@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Sequence, get_args
+from typing import Callable, Sequence
 
 import torch
 
@@ -85,98 +85,17 @@ from blockgen.models.backbone import KVCache, reused_static_cache
 from blockgen.models.diffusion import Prior, Randomness, RowStreams, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
-
-SamplerName = Literal["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]
-SAMPLERS: tuple[str, ...] = get_args(SamplerName)
-AR_SAMPLERS = ("ar_greedy", "ar_sample")
-INFORMED_SAMPLERS = ("eipc", "arpc")
-BlockLayout = Literal["grid", "prompt_end"]
-BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
+from blockgen.models.sampler_config import (
+    AR_SAMPLERS,
+    SAMPLERS,
+    BlockLayout,
+    SamplerConfig,
+    paper_nfe_per_block,
+    renoise_count,
+    step_alphas,
+)
 
 StopFn = Callable[[list[int]], bool]
-
-
-@dataclass(frozen=True)
-class SamplerConfig:
-    name: SamplerName = "ancestral"
-    steps: int = 16  # N_step: reverse steps per block (ignored by the AR samplers)
-    ge: int = 1  # an informed step every `ge` steps after the warm-up (eipc, arpc)
-    warmup: int = 0  # ancestral-only steps at the start of each block (eipc, arpc)
-    temperature: float = 1.0  # divides the logits; ignored by ar_greedy
-    block_size: int | None = None  # L'; None: the model's largest trained block size (AR: 1)
-    max_new_tokens: int = 256
-    seed: int = 0  # row i of a batch uses seed + i unless generate() is given per-row seeds
-    layout: BlockLayout = "grid"  # blocks on the training grid, or a whole block right after the prompt
-
-    def __post_init__(self) -> None:
-        if self.name not in SAMPLERS:
-            raise ValueError(f"unknown sampler {self.name!r}; choose one of {list(SAMPLERS)}")
-        if self.layout not in BLOCK_LAYOUTS:
-            raise ValueError(f"layout={self.layout!r}; choose one of {list(BLOCK_LAYOUTS)}")
-        for key, low in (("steps", 1), ("ge", 1), ("warmup", 0), ("max_new_tokens", 1)):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{key}={value!r}; must be an integer >= {low}")
-        if self.name in INFORMED_SAMPLERS and self.warmup >= self.steps:
-            raise ValueError(
-                f"warmup={self.warmup} leaves no informed step of {self.name!r}; choose warmup in 0..{self.steps - 1}"
-            )
-        if self.name != "ar_greedy" and not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature!r}; sampler {self.name!r} needs a temperature > 0")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise ValueError(f"block_size={self.block_size!r}; must be a positive integer or None")
-        if self.name in AR_SAMPLERS and self.block_size not in (None, 1):
-            raise ValueError(f"sampler {self.name!r} decodes one token per call; block_size must be 1 or None")
-        if self.name not in AR_SAMPLERS and self.block_size == 1:
-            raise ValueError(f"block size 1 is autoregression; use sampler 'ar_sample' or 'ar_greedy', not {self.name!r}")
-
-    @property
-    def is_ar(self) -> bool:
-        return self.name in AR_SAMPLERS
-
-    def informed(self, i: int) -> bool:
-        """Whether step i of a block is an informed (predictor-corrector) step."""
-        return self.name in INFORMED_SAMPLERS and i >= self.warmup and (i - self.warmup) % self.ge == 0
-
-
-# ------------------------------------------------------------------------------- step schedule
-
-
-def step_alphas(i: int, steps: int, eps: float) -> tuple[float, float]:
-    """(alpha_t, alpha_s) of step i: t = (N - i) / N, s = (N - i - 1) / N; alpha_s = 1 exactly at s = 0."""
-    t, s = (steps - i) / steps, (steps - i - 1) / steps
-    return 1 - (1 - eps) * t, (1.0 if s == 0 else 1 - (1 - eps) * s)
-
-
-def renoise_count(i: int, steps: int, n: int, eps: float) -> int:
-    """k positions re-noised by an informed step at step i among n generated positions of a block.
-
-    k = max(1, round((1 - alpha_s) n)) (Python's round) for s > 0, the expected number of noisy
-    tokens at time s but at least one; k = 0 at the last step (s = 0, alpha_s = 1).
-    """
-    alpha_s = step_alphas(i, steps, eps)[1]
-    return 0 if alpha_s == 1.0 or n < 1 else max(1, round((1 - alpha_s) * n))
-
-
-def paper_nfe_per_block(config: SamplerConfig) -> int:
-    """The paper's NFE label per block (appendix D): ARPC counts one AR pass per informed step."""
-    if config.is_ar:
-        return 1
-    if config.name == "arpc":
-        return config.steps + (config.steps - 1 - config.warmup) // config.ge + 1
-    return config.steps
-
-
-def calls_per_block(config: SamplerConfig, block_size: int, eps: float = 1e-3) -> int:
-    """Model calls this module really makes per block: ARPC skips the AR pass when k = 0 (last step)."""
-    if config.is_ar:
-        return 1
-    if config.name != "arpc":
-        return config.steps
-    passes = sum(
-        1 for i in range(config.steps) if config.informed(i) and renoise_count(i, config.steps, block_size, eps) > 0
-    )
-    return config.steps + passes
 
 
 # ------------------------------------------------------------------------ config vs. the model

@@ -101,7 +101,8 @@ def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
     from dataclasses import asdict
 
     from blockgen.harness.evaluation.lm_eval_model.scoring import Window, derive_seed, score_windows
-    from blockgen.models.sampling import SamplerConfig, generate
+    from blockgen.models.sampler_config import SamplerConfig
+    from blockgen.models.sampling import generate
 
     default, explicit, auto = _lm(ckpt), _lm(ckpt, dtype="float32"), _lm(ckpt, dtype="auto")
     ll = default.loglikelihood(_requests("loglikelihood", LL))
@@ -187,7 +188,7 @@ def test_offline_dry_run_prices_every_setting_from_measured_rates(name):
 
 
 def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
-    from blockgen.models.sampling import SamplerConfig, calls_per_block
+    from blockgen.models.sampler_config import SamplerConfig, calls_per_block
 
     g = GRIDS["gsm8k-embedded"]
     todo = {(s.run, s.label): s for s in settings.settings(g)}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from blockgen.models.host_reads import HostReads, to_host
-from blockgen.models.sampling import SAMPLERS, SamplerConfig, generate
+from blockgen.models.sampler_config import SAMPLERS, SamplerConfig
+from blockgen.models.sampling import generate
 from test_sampling import V, tiny_model
 
 # Host reads a sampler may make: none inside a block, at most one per block (its tokens, read once

@@ -25,7 +25,8 @@ from torch._dynamo.utils import counters
 from blockgen.models import backbone
 from blockgen.models.backbone import DiT, KVCache, ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.sampling import SamplerConfig, generate
+from blockgen.models.sampler_config import SamplerConfig
+from blockgen.models.sampling import generate
 
 PROMPTS = [[1, 5, 7], [2, 3, 4, 9, 11], [6], [8, 9, 10, 12, 13, 14, 15]]
 SEEDS = [11, 12, 13, 14]

@@ -401,7 +401,7 @@ def test_torchrun_two_ranks_agree_with_one_process(trained, twin_single, tmp_pat
 def test_demo_accuracy_comes_from_the_task(trained):
     """The demo's evaluation is `simple_evaluate` on gsm8k_code_embedded (one code path)."""
     from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded
-    from blockgen.models.sampling import SamplerConfig
+    from blockgen.models.sampler_config import SamplerConfig
 
     report = evaluate_embedded(trained, SamplerConfig("arpc", steps=4, ge=2, temperature=0.5), n_problems=12,
                                max_gen_toks=32, batch_size=4)

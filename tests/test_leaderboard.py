@@ -14,7 +14,7 @@ import pytest
 
 from blockgen.harness.reports import leaderboard as lb
 from blockgen.harness.reports.leaderboard import Leaderboard, LeaderboardError, Row
-from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
 from limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]

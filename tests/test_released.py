@@ -28,7 +28,8 @@ from blockgen.harness.checkpoints.hub import HubUnavailableError
 from blockgen.harness.checkpoints.release_import import release_source, resolve
 from blockgen.harness.checkpoints.release_paths import DATASETS, ReleaseError, ReleaseOverrides, parse_release_path
 from blockgen.models.model import BlockGenConfig
-from blockgen.models.sampling import Decoder, SamplerConfig, generate
+from blockgen.models.sampler_config import SamplerConfig
+from blockgen.models.sampling import Decoder, generate
 from limits import HANG_S
 
 FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES", Path(__file__).resolve().parents[2] / "shared/data/released"))

@@ -16,7 +16,7 @@ from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, 
 from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
 from blockgen.harness.evaluation.sampler_grid import GRID
 from blockgen.harness.evaluation.grids import demo_samplers
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "leaderboards" / "ci_gsm8k" / "gsm-masked-mix" / "checkpoint"

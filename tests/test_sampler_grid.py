@@ -10,7 +10,7 @@ import pytest
 
 from blockgen.harness import cli
 from blockgen.harness.evaluation.sampler_grid import GRID, pick
-from blockgen.models.sampling import paper_nfe_per_block
+from blockgen.models.sampler_config import paper_nfe_per_block
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))

@@ -14,21 +14,23 @@ import torch
 from blockgen.models.backbone import ModelShape
 from blockgen.models.diffusion import RowStreams, UniformPrior, sample_categorical
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.sampling import (
+from blockgen.models.sampler_config import (
     BLOCK_LAYOUTS,
     SAMPLERS,
+    SamplerConfig,
+    calls_per_block,
+    paper_nfe_per_block,
+    renoise_count,
+    step_alphas,
+)
+from blockgen.models.sampling import (
     Decoder,
     GenerationResult,
-    SamplerConfig,
     ancestral_step,
-    calls_per_block,
     check_config,
     generate,
     max_prompt_len,
-    paper_nfe_per_block,
-    renoise_count,
     split_prompt,
-    step_alphas,
 )
 
 V = 40

@@ -275,7 +275,7 @@ def test_demo_command_end_to_end(tmp_path):
 
 def test_demo_sweep_matches_the_paper_nfe_labels():
     from blockgen.harness.demo import DIFFUSION_VARIANTS, DemoConfig, samplers_for
-    from blockgen.models.sampling import SamplerConfig, paper_nfe_per_block
+    from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
 
     for nfe, variants in DIFFUSION_VARIANTS.items():
         for name, steps, ge, warmup in variants:

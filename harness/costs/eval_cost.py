@@ -88,7 +88,7 @@ class Price:
 
 def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:
     """(kind, model calls) to generate `new_tokens` tokens of one batch of rows (no early stop)."""
-    from blockgen.models.sampling import SamplerConfig, calls_per_block
+    from blockgen.models.sampler_config import SamplerConfig, calls_per_block
 
     if sampler.startswith("ar_"):
         return "ar", new_tokens

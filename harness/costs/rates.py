@@ -57,7 +57,7 @@ def precision_label(dtype: str | None, tf32: bool = False) -> str:
 @dataclass(frozen=True)
 class CallRate:
     precision: str  # one of PRECISIONS: the matmuls' dtype, +tf32 when TF32 was on
-    sampler: str  # models.sampling.SAMPLERS
+    sampler: str  # models.sampler_config.SAMPLERS
     block_size: int  # tokens per block of the calls (1: AR decoding)
     batch: int  # rows per call
     seconds: float  # per batched call
@@ -193,7 +193,7 @@ def from_dict(data: Any, where: str = "rates") -> Rates:
 
 def _check_values(rates: Rates, where: str) -> None:
     from blockgen.harness.checkpoints.release_paths import ALGOS
-    from blockgen.models.sampling import SAMPLERS
+    from blockgen.models.sampler_config import SAMPLERS
 
     def bad(name: str, value: Any, expected: str) -> RatesError:
         return RatesError(f"rates file {where}: {name}: {value!r}; expected {expected}")

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Literal
 
 from blockgen.harness.training.presets import DEMO_PRESETS
 from blockgen.harness.evaluation.sampler_grid import GRID, NFES, Variant, pick
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 Benchmark = Literal["owt", "tinygsm"]
 AR_RUNS = (Variant("ar_greedy", 1), Variant("ar_sample", 1))

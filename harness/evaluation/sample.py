@@ -27,7 +27,8 @@ from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
 from blockgen.harness.evaluation.sampler_grid import settings_at
-from blockgen.models.sampling import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig, check_config, generate, max_prompt_len
+from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
+from blockgen.models.sampling import check_config, generate, max_prompt_len
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,8 @@ import argparse
 import sys
 from typing import NamedTuple
 
+from blockgen.models.sampler_config import SamplerConfig
+
 NFES = (4, 8, 16, 32, 64)
 
 
@@ -32,11 +34,8 @@ class Variant(NamedTuple):
         """steps:ge:warmup, as the Makefile's grids write a variant."""
         return f"{self.steps}:{self.ge}:{self.warmup}"
 
-    def as_sampler(self, temperature: float = 1.0):
-        """The variant as the one sampler-setting type, `SamplerConfig` (imported here, not at the top:
-        `blockgen variants` stays free of torch)."""
-        from blockgen.models.sampling import SamplerConfig
-
+    def as_sampler(self, temperature: float = 1.0) -> SamplerConfig:
+        """The variant as the one sampler-setting type, at `temperature`."""
         return SamplerConfig(self.sampler, steps=self.steps, ge=self.ge, warmup=self.warmup, temperature=temperature)
 
 

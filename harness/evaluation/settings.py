@@ -19,7 +19,7 @@ from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_model_ar
 from blockgen.harness.evaluation.sampler_grid import Variant
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
 from blockgen.harness.training.presets import preset
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 LIKELIHOOD = "likelihood"
 GENPPL_TASKS = ("owt_genppl", "owt_genppl_embedded")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from blockgen.models.sampling import SamplerConfig
+from blockgen.models.sampler_config import SamplerConfig
 
 TASK = "gsm8k_code_embedded"
 

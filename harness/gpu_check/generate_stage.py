@@ -62,7 +62,7 @@ def _row_streams_match(device: str) -> bool:
 def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budget: Budget = UNLIMITED) -> dict:
     from blockgen.harness.training.train_config import TrainConfig
     from blockgen.models.model import BlockGen
-    from blockgen.models.sampling import SamplerConfig
+    from blockgen.models.sampler_config import SamplerConfig
 
     cuda = device.startswith("cuda")
     base = TrainConfig(size=scale.size, seq_len=scale.seq_len)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from blockgen.harness.reports.compare import compare_accuracy, load_samples, mean_stderr, paired
 from blockgen.harness.evaluation.grids import demo_samplers, sampler_label
-from blockgen.models.sampling import paper_nfe_per_block
+from blockgen.models.sampler_config import paper_nfe_per_block
 
 
 def roles(presets) -> dict[str, str]:

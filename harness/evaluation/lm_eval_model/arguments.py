@@ -15,13 +15,8 @@ import torch
 from blockgen.harness.checkpoints.checkpoint import CONFIG, CheckpointError
 from blockgen.harness.runtime.precision import check_dtype
 from blockgen.models.model import BlockGenConfig
-from blockgen.models.sampling import (
-    AR_SAMPLERS,
-    SamplerConfig,
-    check_config,
-    max_prompt_len,
-    resolve_block_size,
-)
+from blockgen.models.sampler_config import AR_SAMPLERS, SamplerConfig
+from blockgen.models.sampling import check_config, max_prompt_len, resolve_block_size
 
 log = logging.getLogger(__name__)
 

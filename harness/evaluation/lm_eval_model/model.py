@@ -62,7 +62,8 @@ from blockgen.harness.evaluation.lm_eval_model.usage import CACHED_REQUEST_TYPES
 from blockgen.harness.runtime.distributed import setup_distributed
 from blockgen.harness.runtime.precision import DTYPES, compute_precision
 from blockgen.models.model import BlockGenConfig
-from blockgen.models.sampling import SamplerConfig, generate, max_prompt_len, paper_nfe_per_block, resolve_block_size
+from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
+from blockgen.models.sampling import generate, max_prompt_len, resolve_block_size
 
 log = logging.getLogger(__name__)
 
