@@ -298,15 +298,16 @@ ci-pipeline: setup
 	$(MAKE) train-owt eval-owt $(CI_PIPELINE) RUNS=$(CI_RUNS)
 
 regression-check: setup
-	$(BLOCKGEN) regression check $(call ci_board,$(CI_RUNS)) --against $(CI_REFERENCE)
+	$(BLOCKGEN) regression check --against $(CI_REFERENCE) $(call ci_board,$(CI_RUNS))
 
 regression-update: setup $(if $(FROM),,ci-pipeline)
-	$(BLOCKGEN) regression update $(call ci_board,$(or $(FROM),$(CI_RUNS))) --to $(CI_REFERENCE) \
+	$(BLOCKGEN) regression update --to $(CI_REFERENCE) $(call ci_board,$(or $(FROM),$(CI_RUNS))) \
 		--command "make train-owt eval-owt $(CI_PIPELINE) RUNS=$(or $(FROM),$(CI_RUNS)) (into an empty folder)"
 
-# gsm8k_code regression (docs/testing.md, "CI regression"; harness/reports/outcomes.py): the small trained checkpoint
-# stored in CI_GSM_STORE is evaluated again under the settings of `blockgen sweep ci-gsm8k` into an empty
-# CI_GSM_RUNS, and every problem's outcome is compared with the stored one (exact McNemar per setting).
+# gsm8k_code regression (docs/testing.md, "CI regression"; harness/reports/outcomes.py), the same command with
+# an outcomes store for reference: the small trained checkpoint stored in CI_GSM_STORE is evaluated again under
+# the settings of `blockgen sweep ci-gsm8k` into an empty CI_GSM_RUNS, and every problem's outcome is compared
+# with the stored one (exact McNemar per setting).
 # `make regression-gsm8k-update` rewrites the stored outcomes (CHECKPOINT=<checkpoint dir> copies that
 # checkpoint in first, its weights as CHECKPOINT_DTYPE; FROM=<results root> stores a finished rerun's).
 # One torch thread: 48 s for the check on 2 cores, where two OpenMP threads beside other work took 10 min
@@ -318,11 +319,11 @@ CHECKPOINT_DTYPE ?= float32
 
 regression-gsm8k-check: setup
 	rm -rf $(CI_GSM_RUNS)
-	OMP_NUM_THREADS=1 $(BLOCKGEN) outcomes check --store $(CI_GSM_STORE) --out-dir $(CI_GSM_RUNS) --no-progress
+	OMP_NUM_THREADS=1 $(BLOCKGEN) regression check --against $(CI_GSM_STORE) --out-dir $(CI_GSM_RUNS) --no-progress
 
 regression-gsm8k-update: setup
 	$(if $(FROM),,rm -rf $(CI_GSM_RUNS))
-	OMP_NUM_THREADS=1 $(BLOCKGEN) outcomes update --store $(CI_GSM_STORE) $(if $(FROM),--results $(FROM),--out-dir $(CI_GSM_RUNS)) --no-progress \
+	OMP_NUM_THREADS=1 $(BLOCKGEN) regression update --to $(CI_GSM_STORE) $(if $(FROM),--results $(FROM),--out-dir $(CI_GSM_RUNS)) --no-progress \
 		$(if $(CHECKPOINT),--checkpoint $(CHECKPOINT) --dtype $(CHECKPOINT_DTYPE)) \
 		--command "make regression-gsm8k-update$(if $(CHECKPOINT), CHECKPOINT=$(CHECKPOINT) CHECKPOINT_DTYPE=$(CHECKPOINT_DTYPE))$(if $(FROM), FROM=$(FROM))"
 

@@ -15,14 +15,14 @@
     blockgen released names|check|import                # the paper's releases: names, hub check, conversion
     blockgen sweep owt-embedded --runs runs --dry-run    # a benchmark's grid: one model load per checkpoint, one scorer
     blockgen sweep owt --shard 3/8 --keep-going          # job 3 of 8 independent jobs over the grid
-    blockgen outcomes check|update                      # CI: gsm8k_code per-problem outcomes of leaderboards/ci_gsm8k/
-    blockgen regression check|update                    # CI: a pipeline's leaderboard against leaderboards/ci_regression.json
+    blockgen regression check --against leaderboards/ci_regression.json NEW.json   # CI: a leaderboard against its tolerances
+    blockgen regression check --against leaderboards/ci_gsm8k   # CI: gsm8k_code rerun, per-problem outcomes against the stored
     blockgen scorers check-vllm --device cuda           # which vLLM build owt_genppl's scorer server uses
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
 and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, sampler_grid.py; harness/reports/:
-outcomes.py, regression.py; harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
+regression.py; harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
 the modules above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, get_args, get_origin
 
-from blockgen.harness.reports import leaderboard, outcomes, regression
+from blockgen.harness.reports import leaderboard, regression
 from blockgen.harness.checkpoints import release_catalogue
 from blockgen.harness.evaluation import sample, sampler_grid, sweep, vllm_server
 from blockgen.harness.reports.compare import CompareError, compare, format_comparison
@@ -147,10 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 sweep.__doc__))
     _leaderboard_parser(_mounted(sub, "leaderboard", "leaderboard JSON: add lm-eval results, show a table, plot, HTML page, "
                                  "compare two settings, check against a reference", leaderboard.__doc__))
-    outcomes.build_parser(_mounted(sub, "outcomes", "CI regression of gsm8k_code by per-problem outcomes of a stored checkpoint",
-                                   outcomes.__doc__))
-    regression.build_parser(_mounted(sub, "regression", "CI regression of a pipeline's leaderboard: check against the "
-                                     "reference's tolerances, or rewrite the reference", regression.__doc__))
+    regression.build_parser(_mounted(sub, "regression", "CI regression: compare a rerun with a stored reference (a leaderboard "
+                                     "with tolerances, or gsm8k_code's per-problem outcomes), or rewrite it", regression.__doc__))
     vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
                                       "owt_genppl's scorer server (harness/evaluation/vllm_server.py)."))
     sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
@@ -199,8 +197,8 @@ def _leaderboard_parser(parser: argparse.ArgumentParser) -> None:
     comp.add_argument("--metric", default=None, help="per-sample metric (default: exact_match, or gen_ppl for owt_genppl)")
     comp.add_argument("--task", default=None, help="the task, when an output holds several")
     comp.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    regression.add_check_arguments(sub.add_parser("check", help="compare a rerun with a reference that carries tolerances; "
-                                                  "exit 1 on a regression (= blockgen regression check)"))
+    regression.add_check_arguments(sub.add_parser("check", help="= blockgen regression check (the older name): compare a "
+                                                  "rerun with a stored reference; exit 1 when it is worse"))
 
 
 def _selected(args) -> list[leaderboard.Row]:
@@ -241,7 +239,7 @@ def _leaderboard(args: argparse.Namespace) -> int:
                 raise LeaderboardError(str(err)) from None
             print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
         elif args.action == "check":
-            return regression.run_check(args)
+            return regression.run(args)
         elif args.action == "page":
             args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
             if not args.files:
@@ -356,7 +354,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train, "demo": _demo, "presets": _presets, "gpu-check": _gpu_check, "train-scorer": _train_scorer,
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
-    "leaderboard": _leaderboard, "outcomes": outcomes.run, "regression": regression.run, "scorers": vllm_server.run,
+    "leaderboard": _leaderboard, "regression": regression.run, "scorers": vllm_server.run,
     "variants": sampler_grid.run,
 }
 

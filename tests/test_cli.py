@@ -49,7 +49,7 @@ def test_every_subcommand_answers_help():
     paths = commands(cli.build_parser())
     expected = {("train",), ("demo",), ("presets",), ("gpu-check",), ("train-scorer",), ("sample",), ("prepare-data",),
                 ("hub-check",), ("train-cost",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
-                ("sweep",), ("outcomes", "check"), ("outcomes", "update"), ("regression", "check"), ("regression", "update"),
+                ("sweep",), ("regression", "check"), ("regression", "update"),
                 ("scorers", "check-vllm"), ("variants",)}
     expected |= {("leaderboard", action) for action in ("add", "collect", "show", "plot", "page", "compare", "check")}
     assert expected <= set(paths), sorted(expected - set(paths))
@@ -110,8 +110,8 @@ def test_mounted_subcommands_run_their_modules(tmp_path):
     assert code == 2 and "--out-dir takes one spec" in err
     code, out, _ = run(["sweep", "gsm8k-embedded", "--dry-run"])
     assert code == 0 and out.startswith("# blockgen sweep:") and "total:" in out
-    code, _, err = run(["outcomes", "check", "--store", str(tmp_path / "none"), "--results", str(tmp_path)])
-    assert code == 2 and err.startswith("blockgen outcomes: error:")
+    code, _, err = run(["regression", "check", "--against", str(tmp_path / "none"), "--results", str(tmp_path)])
+    assert code == 2 and err.startswith("blockgen regression: error:") and "no stored outcomes" in err
 
 
 def test_regression_check_is_leaderboard_check():

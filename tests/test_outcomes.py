@@ -1,8 +1,8 @@
 """CI regression of gsm8k_code by per-problem outcomes (harness/reports/outcomes.py), end to end on a tiny checkpoint.
 
 A `ci`-preset model (trained here in seconds) is stored as the outcomes store's checkpoint; `blockgen
-outcomes update` writes its outcomes through the real sweep and lm-eval, and `blockgen outcomes check`
-(the real CLI) reruns them. Edited stored outcomes and another checkpoint stand for a regression."""
+regression update --to STORE` writes its outcomes through the real sweep and lm-eval, and `blockgen regression
+check --against STORE` (the real CLI) reruns them. Edited stored outcomes and another checkpoint stand for a regression."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def store(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("outcomes")
     checkpoint = train_tiny(work / "train" / "m")
     store = work / "store"
-    done = cli("outcomes", "update", "--store", store, "--limit", LIMIT, "--checkpoint", checkpoint, "--no-progress")
+    done = cli("regression", "update", "--to", store, "--limit", LIMIT, "--checkpoint", checkpoint, "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
-    rerun = cli("outcomes", "check", "--store", store, "--out-dir", work / "rerun", "--no-progress")
+    rerun = cli("regression", "check", "--against", store, "--out-dir", work / "rerun", "--no-progress")
     return {"work": work, "store": store, "checkpoint": checkpoint, "rerun": rerun, "results": work / "rerun"}
 
 
@@ -99,7 +99,7 @@ def test_worse_setting_fails_with_its_changed_problems_listed(store):
 
     rerun = {label: s for label, s in oc.collect(store["store"], store["results"], LIMIT).items()}
     assert sum(o.exact_match for o in rerun["arpc-3-2-1-T0.1"].problems.values()) == 0  # the micro model answers none
-    r = cli("outcomes", "check", "--store", edited_store(store, "worse", all_right), "--results", store["results"])
+    r = cli("regression", "check", "--against", edited_store(store, "worse", all_right), "--results", store["results"])
     assert r.returncode == 1, r.stdout + r.stderr
     assert ": FAILED" in r.stdout
     row = next(line for line in r.stdout.splitlines() if "arpc-3-2-1-T0.1" in line and line.startswith("WORSE"))
@@ -115,7 +115,7 @@ def test_a_few_changed_problems_are_listed_but_pass(store):
         s = next(s for s in doc["settings"] if s["label"] == "eipc-4-2-0-T0.1")
         s["outcomes"]["2"] = [1, "correct", s["outcomes"]["2"][2]]
 
-    r = cli("outcomes", "check", "--store", edited_store(store, "one", one_right), "--results", store["results"])
+    r = cli("regression", "check", "--against", edited_store(store, "one", one_right), "--results", store["results"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "  2: correct -> " in r.stdout and "1 changed" in r.stdout
 
@@ -124,7 +124,7 @@ def test_missing_setting_fails(store):
     results = store["work"] / "missing"
     shutil.copytree(store["results"], results)
     shutil.rmtree(results / "gsm-masked-mix" / "ar_greedy-1-1-0-T0.1")
-    r = cli("outcomes", "check", "--store", store["store"], "--results", results)
+    r = cli("regression", "check", "--against", store["store"], "--results", results)
     assert r.returncode == 1 and "MISSING" in r.stdout
 
 
@@ -132,7 +132,7 @@ def test_another_model_changes_responses_and_is_named(store):
     """Another checkpoint (a perturbed model) against the stored outcomes: its changed responses are counted."""
     other = store["work"] / "other"
     oc.store_checkpoint(train_tiny(store["work"] / "train" / "seed1", seed=1, steps=20), oc.checkpoint_dir(other))
-    r = cli("outcomes", "check", "--store", store["store"], "--runs", other, "--no-progress")
+    r = cli("regression", "check", "--against", store["store"], "--runs", other, "--no-progress")
     assert "is not the one the outcomes were stored for" in r.stdout
     table = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["same"], ["changed"], ["WORSE"])]
     assert len(table) == 4 and sum(int(cells[-2]) for cells in table) > 0, r.stdout  # responses changed

@@ -1,4 +1,5 @@
-"""CI regression check: a rerun's leaderboard against a reference with tolerances (harness/reports/regression.py).
+"""CI regression check: a rerun's leaderboard against a reference with tolerances (harness/reports/regression.py),
+and the one command that tells this reference from an outcomes store (tests/test_outcomes.py checks that one).
 
 Synthetic leaderboards written with the leaderboard module's own writer; the real CLI through subprocess."""
 
@@ -210,6 +211,45 @@ def test_blockgen_leaderboard_check_exit_codes(tmp_path):
     (tmp_path / "broken.json").write_text(json.dumps({"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m"}]}))
     broken = cli("leaderboard", "check", tmp_path / "broken.json", "--against", ref)
     assert broken.returncode == 2 and "missing required field(s)" in broken.stderr and not broken.stdout
+
+
+def test_the_reference_decides_the_comparison(tmp_path):
+    """A .json leaderboard is a leaderboard reference; a folder, or its outcomes.json, an outcomes store;
+    a path not written yet (`update` creates it) is a store unless it ends in .json."""
+    store = REPO / "leaderboards" / "ci_gsm8k"
+    assert rg.reference_kind(REPO / rg.REFERENCE) == (rg.LEADERBOARD, REPO / rg.REFERENCE)
+    assert rg.reference_kind(store) == rg.reference_kind(store / "outcomes.json") == (rg.OUTCOMES, store)
+    assert rg.reference_kind(tmp_path / "new.json") == (rg.LEADERBOARD, tmp_path / "new.json")
+    assert rg.reference_kind(tmp_path / "new-store") == (rg.OUTCOMES, tmp_path / "new-store")
+    (tmp_path / "copy.json").write_text((store / "outcomes.json").read_text())
+    with pytest.raises(ValueError, match="give the store's folder"):
+        rg.reference_kind(tmp_path / "copy.json")
+
+
+@pytest.mark.parametrize("argv, takes, misfits", [
+    (["check", "--against", rg.REFERENCE, "--results", "DIR"], "NEW.json, --all", "--results is for an outcomes store "
+     "(e.g. --against leaderboards/ci_gsm8k)"),
+    (["check", "--against", "STORE", "new.json", "--all"], "--results, --out-dir, --no-progress, --runs, --alpha",
+     "NEW.json, --all are for a leaderboard reference (e.g. --against leaderboards/ci_regression.json)"),
+    (["update", "--to", "STORE", "new.json", "--k", "3"], "--results, --out-dir, --no-progress, --limit, --checkpoint, --dtype",
+     "NEW.json, --k are for a leaderboard reference (e.g. --to leaderboards/ci_regression.json)"),
+    (["update", "--to", "ref.json", "new.json", "--checkpoint", "DIR"], "NEW.json, --k, --z, --spread-note",
+     "--checkpoint is for an outcomes store (e.g. --to leaderboards/ci_gsm8k)"),
+])
+def test_arguments_of_the_other_kind_are_an_error_naming_the_right_ones(tmp_path, capsys, argv, takes, misfits):
+    """Refused before anything runs or is written: the error names what this reference takes."""
+    (tmp_path / "STORE").mkdir()
+    argv = [str(tmp_path / a) if a in ("STORE", "ref.json") else a for a in argv]
+    assert cli_main(["regression", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockgen regression: error: ") and f"which takes {takes}; {misfits}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["STORE"] and not any((tmp_path / "STORE").iterdir())
+
+
+def test_a_leaderboard_reference_needs_the_new_leaderboard(capsys):
+    for action in ("check", "update"):
+        assert cli_main(["regression", action]) == 2
+        assert "is a leaderboard reference: give the new leaderboard, NEW.json" in capsys.readouterr().err
 
 
 def test_stored_reference_is_valid_and_every_row_has_a_tolerance():

@@ -10,7 +10,7 @@ sampler variant per NFE, as the paper's figures do.
     blockgen leaderboard collect runs/results --to runs/leaderboard-owt.json   # every results file under the roots
     blockgen leaderboard show leaderboards/paper.json --task gsm8k_code --best
     blockgen leaderboard page                     # every leaderboards/*.json -> runs/leaderboard-page/index.html
-    blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json   # exit 1 past a tolerance
+    blockgen leaderboard check runs/ci-pipeline/leaderboard-owt-embedded.json   # = blockgen regression check: exit 1 past a tolerance
     blockgen leaderboard compare out/A out/B      # A - B on the same problems (lm_eval --log_samples outputs)
 """
 

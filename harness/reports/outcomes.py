@@ -15,19 +15,20 @@ machine a rerun is bitwise identical and any change to the samplers, the model c
 up in the list; a change that is not significantly worse (a few flips either way, e.g. another CPU's
 float rounding) is listed but passes.
 
-    blockgen outcomes check                        # rerun, compare with leaderboards/ci_gsm8k/outcomes.json
-    blockgen outcomes check --results DIR          # compare a sweep's results already written under DIR
-    blockgen outcomes update                       # rerun on the stored checkpoint, rewrite outcomes.json
-    blockgen outcomes update --checkpoint runs/demo/gsm-masked-mix/checkpoint   # store a new checkpoint first
+    blockgen regression check --against leaderboards/ci_gsm8k                  # rerun, compare with its outcomes.json
+    blockgen regression check --against leaderboards/ci_gsm8k --results DIR    # compare a sweep's results already under DIR
+    blockgen regression update --to leaderboards/ci_gsm8k                      # rerun on the stored checkpoint, rewrite outcomes.json
+    blockgen regression update --to leaderboards/ci_gsm8k --checkpoint runs/demo/gsm-masked-mix/checkpoint   # store a new checkpoint first
+
+(`blockgen regression` is the one command of CI's checks: harness/reports/regression.py tells an outcomes
+store from a leaderboard reference and calls `check` or `update` here.)
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,7 +186,7 @@ def write_outcomes(path: Path, found: dict[str, SettingOutcomes], limit: int, sh
 def read_outcomes(path: str | Path) -> tuple[dict, dict[str, SettingOutcomes]]:
     path = Path(path)
     if not path.is_file():
-        raise OutcomesError(f"{path}: no stored outcomes (write them with `blockgen outcomes update`)")
+        raise OutcomesError(f"{path}: no stored outcomes (write them with `blockgen regression update --to {path.parent}`)")
     doc = json.loads(path.read_text())
     if doc.get("schema") != SCHEMA or doc.get("version") != VERSION:
         raise OutcomesError(f"{path}: not a {SCHEMA} file of version {VERSION}")
@@ -241,8 +242,8 @@ class SettingDiff:
 
 def diff_setting(stored: SettingOutcomes, new: SettingOutcomes, alpha: float = ALPHA) -> SettingDiff:
     if set(new.problems) != set(stored.problems) or any(new.doc_hashes[i] != stored.doc_hashes[i] for i in stored.problems):
-        raise OutcomesError(f"setting {stored.label}: the rerun did not answer the stored problems "
-                            "(another task version, generator or limit); store new outcomes with `blockgen outcomes update`")
+        raise OutcomesError(f"setting {stored.label}: the rerun did not answer the stored problems (another task version, "
+                            "generator or limit); store new outcomes with `blockgen regression update --to <store>`")
     ids = sorted(stored.problems)
     changed = [(i, stored.problems[i], new.problems[i]) for i in ids
                if (stored.problems[i].exact_match, stored.problems[i].verdict) != (new.problems[i].exact_match, new.problems[i].verdict)]
@@ -326,7 +327,7 @@ def check(store: str | Path = STORE, runs: str | Path | None = None, results: st
 
 def update(store: str | Path = STORE, limit: int | None = None, results: str | Path | None = None,
            out_dir: str | Path | None = None, checkpoint: str | Path | None = None, dtype: str = "float32",
-           command: str = "blockgen outcomes update", progress: bool = True) -> str:
+           command: str | None = None, progress: bool = True) -> str:
     """Rerun the grid on the store's checkpoint (first copied from `checkpoint` when given) and rewrite
     the stored outcomes; returns a summary, with the new outcomes against the old ones when there were any."""
     from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
@@ -351,7 +352,7 @@ def update(store: str | Path = STORE, limit: int | None = None, results: str | P
     if other:
         raise OutcomesError(f"the results of {other} did not score the stored checkpoint {checkpoint_dir(store)} "
                             f"(sha256 {sha[:12]}); rerun them on it")
-    write_outcomes(path, new, limit, sha, command, note)
+    write_outcomes(path, new, limit, sha, command or f"blockgen regression update --to {store}", note)
     lines = [f"{path}: {len(new)} settings x {limit} problems written; review and commit its diff"]
     lines += [f"  {s.label}: {_pct(s.accuracy)}" for s in new.values()]
     if old is not None and old[0]["limit"] == limit:
@@ -360,38 +361,3 @@ def update(store: str | Path = STORE, limit: int | None = None, results: str | P
         except OutcomesError as err:
             lines.append(f"(not compared with the previous outcomes: {err})")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ command line
-
-
-def build_parser(parser: argparse.ArgumentParser) -> None:
-    """`blockgen outcomes check|update` (mounted by harness/cli.py)."""
-    sub = parser.add_subparsers(dest="action", required=True)
-    chk = sub.add_parser("check", help="rerun the stored settings and compare per problem; exit 1 when a setting is worse")
-    upd = sub.add_parser("update", help="rerun the settings on the stored checkpoint and rewrite the stored outcomes")
-    for p in (chk, upd):
-        p.add_argument("--store", default=STORE, help="folder with outcomes.json and <model>/checkpoint (default: %(default)s)")
-        p.add_argument("--results", default=None, help="an existing results root of `blockgen sweep " + GRID + "` to read instead of rerunning")
-        p.add_argument("--out-dir", default=None, help="empty folder for the rerun's lm-eval results (default: a temporary one)")
-        p.add_argument("--no-progress", dest="progress", action="store_false")
-    chk.add_argument("--runs", default=None, help="folder holding <model>/checkpoint to evaluate instead of the store's (e.g. a "
-                     "candidate checkpoint against the stored outcomes)")
-    chk.add_argument("--alpha", type=float, default=ALPHA, help="McNemar level for WORSE (default: %(default)s)")
-    upd.add_argument("--limit", type=int, default=None, help="problems per setting (default: the stored file's, else the grid's)")
-    upd.add_argument("--checkpoint", default=None, help="copy this checkpoint into the store first")
-    upd.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype in the stored copy (default: %(default)s)")
-    upd.add_argument("--command", default="blockgen outcomes update", help="how the outcomes were made (stored in the provenance)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        if args.action == "check":
-            passed, text = check(args.store, args.runs, args.results, args.out_dir, args.alpha, args.progress)
-            print(text)
-            return 0 if passed else 1
-        print(update(args.store, args.limit, args.results, args.out_dir, args.checkpoint, args.dtype, args.command, args.progress))
-    except (OutcomesError, ValueError) as err:
-        print(f"blockgen outcomes: error: {err}", file=sys.stderr)
-        return 2
-    return 0

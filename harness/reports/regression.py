@@ -1,8 +1,22 @@
-"""CI regression: a rerun's leaderboard against a stored reference, with per-row tolerances.
+"""CI regression: rerun something, compare it with a stored reference, exit 1 when it got worse.
 
-The reference (`leaderboards/ci_regression.json`) is a leaderboard whose rows carry a `tolerance`:
-the largest move of `value` the check accepts. Tolerances follow one rule, stored in the file's
-provenance and kept by every update:
+One command, `blockgen regression check|update`; the reference decides the comparison:
+
+- a leaderboard reference (a .json file, `leaderboards/ci_regression.json`): a leaderboard whose rows
+  carry a `tolerance`, against which a rerun's leaderboard is compared row by row (this module);
+- an outcomes store (a folder, `leaderboards/ci_gsm8k/`: a checkpoint and `outcomes.json` of schema
+  `blockgen-outcomes`): its settings are rerun and every problem's outcome is paired with the stored
+  one (harness/reports/outcomes.py).
+
+    blockgen regression check --against leaderboards/ci_regression.json runs/ci-pipeline/leaderboard-owt-embedded.json
+    blockgen regression update --to leaderboards/ci_regression.json NEW.json [RUN2.json ...]
+    blockgen regression check --against leaderboards/ci_gsm8k [--out-dir DIR | --results DIR]
+    blockgen regression update --to leaderboards/ci_gsm8k [--checkpoint DIR]
+
+(`blockgen leaderboard check` is the same check.)
+
+A leaderboard reference's tolerance is the largest move of `value` the check accepts. Tolerances follow
+one rule, stored in the file's provenance and kept by every update:
 
     tolerance = max(k * relative_spread[task/metric] * |value|,  z * sqrt(2) * stderr)
 
@@ -10,22 +24,19 @@ provenance and kept by every update:
 measured (`update` with several leaderboards) and kept in the provenance; the stderr term covers a
 legitimate change that draws new random numbers (the new value is then a fresh draw with the same
 standard error, so stored - new has standard deviation sqrt(2) * stderr).
-
-    blockgen regression check runs/ci-pipeline/leaderboard-owt-embedded.json --against leaderboards/ci_regression.json
-    blockgen regression update NEW.json [RUN2.json ...] --to leaderboards/ci_regression.json
-
-(`blockgen leaderboard check` is the same check.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from blockgen.harness.reports import outcomes
 from blockgen.harness.reports.leaderboard import Leaderboard, LeaderboardError, Row, provenance, read, write
 
 REFERENCE = "leaderboards/ci_regression.json"
@@ -213,53 +224,153 @@ def build_reference(new: Leaderboard, policy: dict[str, Any], command: str, spre
     rows = [replace(r, tolerance=tolerance(r, spread[metric_name(r)], policy["k"], policy["z"])) for r in new.rows]
     how = {**provenance(command), "tolerance": policy}
     description = ("CI regression reference: the offline pipeline of .ci/run (three micro OWT models, owt_ppl and "
-                   "owt_genppl over a small grid). `blockgen leaderboard check` compares a rerun against these rows; "
+                   "owt_genppl over a small grid). `blockgen regression check` compares a rerun against these rows; "
                    "each row's `tolerance` follows provenance.tolerance.rule.")
     return Leaderboard(rows, description, how)
 
 
+def update(boards: list[str | Path], to: str | Path = REFERENCE, command: str = "make regression-update",
+           k: float | None = None, z: float | None = None, spread_note: str | None = None) -> str:
+    """Rewrite the reference `to` from the leaderboard `boards[0]` (more boards: measure the spread anew),
+    the stored policy kept unless `k` or `z` is given; returns a summary, with the new rows against the
+    old reference when there was one."""
+    stored = read(to) if Path(to).exists() else None
+    policy = dict((stored.provenance or {}).get("tolerance", {})) if stored else {}
+    policy.update(rule=RULE, k=k if k is not None else policy.get("k", DEFAULT_K),
+                  z=z if z is not None else policy.get("z", DEFAULT_Z))
+    new = [read(path) for path in boards]
+    reference = build_reference(new[0], policy, command, new if len(new) > 1 else None, spread_note)
+    write(reference, to)
+    lines = [f"{to}: the new rows against the old reference:\n{report(compare(stored, reference), hint=False)}"] if stored else []
+    return "\n".join([*lines, f"{to}: {len(reference.rows)} rows written; review and commit its diff"])
+
+
+# ------------------------------------------------------------------------------ command line: one for both kinds
+
+LEADERBOARD, OUTCOMES = "a leaderboard reference", "an outcomes store"
+EXAMPLE = {LEADERBOARD: REFERENCE, OUTCOMES: outcomes.STORE}
+KIND_HELP = (f"the reference: {LEADERBOARD} (a .json file, e.g. {REFERENCE}) or {OUTCOMES} (a folder, "
+             f"e.g. {outcomes.STORE}, or its {outcomes.OUTCOMES}); it decides which arguments apply")
+
+
+def reference_kind(path: str | Path) -> tuple[str, Path]:
+    """What the reference at `path` is, and what its comparison reads. A folder, or a file of schema
+    blockgen-outcomes (its outcomes.json), is an outcomes store; any other file a leaderboard reference.
+    A path not there yet (`update` writes it) is a leaderboard reference when it ends in .json."""
+    p = Path(path)
+    if p.is_dir() or (not p.exists() and p.suffix != ".json"):
+        return OUTCOMES, p
+    if p.is_file() and _schema(p) == outcomes.SCHEMA:
+        if p.name != outcomes.OUTCOMES:
+            raise outcomes.OutcomesError(f"{p}: an outcomes store keeps its outcomes as {outcomes.OUTCOMES}; "
+                                         "give the store's folder")
+        return OUTCOMES, p.parent
+    return LEADERBOARD, p
+
+
+def _schema(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text()).get("schema")
+    except (OSError, ValueError, AttributeError):
+        return None  # not JSON (or not an object): the leaderboard reader says what is wrong with it
+
+
+def _section(parser: argparse.ArgumentParser, kind: str, title: str) -> Callable[..., argparse.Action]:
+    """`add_argument` for the arguments only `kind` of reference takes, in their own section of --help.
+    They stay out of the namespace unless given (SUPPRESS: their defaults are those of the function that
+    takes them) and their names go into `args.takes[kind]`, so that `run` can name what does not fit."""
+    group = parser.add_argument_group(f"against {kind} ({title})", argument_default=argparse.SUPPRESS)
+    takes = parser.get_default("takes") or {}
+    parser.set_defaults(takes=takes)
+    names = takes.setdefault(kind, {})
+
+    def add(*flags: str, **kwargs: Any) -> argparse.Action:
+        action = group.add_argument(*flags, **kwargs)
+        names[action.dest] = "/".join(action.option_strings) or action.metavar
+        return action
+    return add
+
+
+def _rerun_arguments(add: Callable[..., argparse.Action]) -> None:
+    add("--results", metavar="DIR", help=f"an existing results root of `blockgen sweep {outcomes.GRID}` to read "
+        "instead of rerunning")
+    add("--out-dir", metavar="DIR", help="empty folder for the rerun's lm-eval results (default: a temporary one)")
+    add("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     """`blockgen regression check` and its older name `blockgen leaderboard check`."""
-    parser.add_argument("new", help="the rerun's leaderboard JSON")
-    parser.add_argument("--against", default=REFERENCE, help="reference leaderboard (default: %(default)s)")
-    parser.add_argument("--all", action="store_true", help="list every row, not only those past their tolerance")
+    parser.description = "Compare a rerun with a stored reference; exit 1 when it is worse (2: arguments or files that do not fit)."
+    parser.add_argument("--against", metavar="REF", default=REFERENCE, help=KIND_HELP + " (default: %(default)s)")
+    board = _section(parser, LEADERBOARD, "rows with tolerances")
+    board("new", nargs="?", metavar="NEW.json", help="the rerun's leaderboard (required)")
+    board("--all", dest="everything", action="store_true", help="list every row, not only those past their tolerance")
+    store = _section(parser, OUTCOMES, f"a checkpoint and {outcomes.OUTCOMES}; its settings are rerun")
+    _rerun_arguments(store)
+    store("--runs", metavar="DIR", help="folder holding <model>/checkpoint to evaluate instead of the store's "
+          "(e.g. a candidate checkpoint against the stored outcomes)")
+    store("--alpha", metavar="P", type=float, help=f"McNemar level for WORSE (default: {outcomes.ALPHA})")
 
 
-def run_check(args: argparse.Namespace) -> int:
-    passed, text = check(args.new, args.against, args.all)
-    print(text)
-    return 0 if passed else 1
+def add_update_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Rewrite a stored reference from new numbers (a leaderboard, or the store's settings rerun)."
+    parser.add_argument("--to", metavar="REF", default=REFERENCE,
+                        help=KIND_HELP + "; rewritten, or created (default: %(default)s)")
+    parser.add_argument("--command", metavar="TEXT", default=argparse.SUPPRESS, help="how the new numbers were made, stored "
+                        "in the provenance (default: make regression-update; for a store, blockgen regression update --to REF)")
+    board = _section(parser, LEADERBOARD, "rows with tolerances")
+    board("new", nargs="*", metavar="NEW.json", help="the new leaderboard (required); more files (other runs of the same "
+          "pipeline, the first included) measure the run-to-run spread anew")
+    board("--k", type=float, help=f"spread factor (default: the stored one, else {DEFAULT_K})")
+    board("--z", type=float, help=f"stderr factor (default: the stored one, else {DEFAULT_Z})")
+    board("--spread-note", metavar="TEXT", help="how the spread runs were made (commands, dates, load)")
+    store = _section(parser, OUTCOMES, f"a checkpoint and {outcomes.OUTCOMES}; its settings are rerun")
+    _rerun_arguments(store)
+    store("--limit", metavar="N", type=int, help="problems per setting (default: the stored file's, else the grid's)")
+    store("--checkpoint", metavar="DIR", help="copy this checkpoint into the store first")
+    store("--dtype", choices=outcomes.DTYPES, help="weights' dtype in the stored copy (default: float32)")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     """`blockgen regression check|update` (mounted by harness/cli.py)."""
     sub = parser.add_subparsers(dest="action", required=True)
-    add_check_arguments(sub.add_parser("check", help="compare a rerun with the reference's tolerances; exit 1 on a regression"))
-    up = sub.add_parser("update", help="store a leaderboard as the regression reference, tolerances by the stored policy")
-    up.add_argument("boards", nargs="+", help="the new leaderboard; more files (other runs of the same pipeline, the "
-                    "first included) measure the run-to-run spread anew")
-    up.add_argument("--to", default=REFERENCE, help="reference file, read for its policy and rewritten (default: %(default)s)")
-    up.add_argument("--command", default="make regression-update", help="how the leaderboard was made (stored in the provenance)")
-    up.add_argument("--k", type=float, default=None, help=f"spread factor (default: the stored one, else {DEFAULT_K})")
-    up.add_argument("--z", type=float, default=None, help=f"stderr factor (default: the stored one, else {DEFAULT_Z})")
-    up.add_argument("--spread-note", default=None, help="how the spread runs were made (commands, dates, load)")
+    add_check_arguments(sub.add_parser("check", help="compare a rerun with the reference; exit 1 when it is worse"))
+    add_update_arguments(sub.add_parser("update", help="rewrite the reference from new numbers"))
 
 
 def run(args: argparse.Namespace) -> int:
+    """The reference's kind picks the comparison: `check` and `update` here, or those of outcomes.py."""
     try:
+        kind, path = reference_kind(args.against if args.action == "check" else args.to)
+        given = _given(args, kind, path)
         if args.action == "check":
-            return run_check(args)
-        stored = read(args.to) if Path(args.to).exists() else None
-        policy = dict((stored.provenance or {}).get("tolerance", {})) if stored else {}
-        policy.update(rule=RULE, k=args.k if args.k is not None else policy.get("k", DEFAULT_K),
-                      z=args.z if args.z is not None else policy.get("z", DEFAULT_Z))
-        boards = [read(path) for path in args.boards]
-        reference = build_reference(boards[0], policy, args.command, boards if len(boards) > 1 else None, args.spread_note)
-        write(reference, args.to)
-        if stored is not None:
-            print(f"{args.to}: the new rows against the old reference:\n{report(compare(stored, reference), hint=False)}")
-        print(f"{args.to}: {len(reference.rows)} rows written; review and commit its diff")
-    except LeaderboardError as err:
+            passed, text = check(_new(given, path), path, **given) if kind == LEADERBOARD else outcomes.check(path, **given)
+            print(text)
+            return 0 if passed else 1
+        if "command" in args:
+            given["command"] = args.command
+        print(update(_new(given, path), path, **given) if kind == LEADERBOARD else outcomes.update(path, **given))
+    except ValueError as err:  # LeaderboardError, OutcomesError: references and reruns that cannot be compared
         print(f"blockgen regression: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _given(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
+    """The arguments given for `kind` of reference, by the names its functions take; any of the other
+    kind's is an error that names the arguments this reference takes."""
+    misfits = [name for other, names in args.takes.items() if other != kind for dest, name in names.items() if dest in args]
+    if misfits:
+        other = OUTCOMES if kind == LEADERBOARD else LEADERBOARD
+        option = "--against" if args.action == "check" else "--to"
+        raise ValueError(f"{path} is {kind}, which takes {', '.join(args.takes[kind].values())}; "
+                         f"{', '.join(misfits)} {'is' if len(misfits) == 1 else 'are'} for {other} (e.g. {option} {EXAMPLE[other]})")
+    return {dest: getattr(args, dest) for dest in args.takes[kind] if dest in args}
+
+
+def _new(given: dict[str, Any], path: Path) -> Any:
+    """The new leaderboard (`update`: one or more) that a leaderboard reference is compared with."""
+    new = given.pop("new", None)
+    if not new:
+        raise ValueError(f"{path} is {LEADERBOARD}: give the new leaderboard, NEW.json")
+    return new
