@@ -212,46 +212,69 @@ def _selected(args) -> list[leaderboard.Row]:
     ]
 
 
+def _board_add(args: argparse.Namespace) -> int:
+    board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
+    if args.description is not None:
+        board.description = args.description
+    count, replaced = leaderboard.add_results(args.results, board, args.model)
+    leaderboard.write(board, args.to)
+    print(f"{args.to}: {count} rows from {len(args.results)} results file(s) ({replaced} replaced older rows)")
+    return 0
+
+
+def _board_collect(args: argparse.Namespace) -> int:
+    rows, files = leaderboard.collect(args.roots)
+    board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
+    if args.description is not None:
+        board.description = args.description
+    replaced = board.add(rows)
+    leaderboard.write(board, args.to)
+    print(f"{args.to}: {len(rows)} rows from {files} results file(s) under {len(args.roots)} root(s) "
+          f"({replaced} replaced older rows)")
+    return 0
+
+
+def _board_show(args: argparse.Namespace) -> int:
+    print(leaderboard.show_table(_selected(args), args.columns, args.best))
+    return 0
+
+
+def _board_compare(args: argparse.Namespace) -> int:
+    try:
+        result = compare(args.a, args.b, args.metric, args.task)
+    except CompareError as err:
+        raise LeaderboardError(str(err)) from None
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
+    return 0
+
+
+def _board_page(args: argparse.Namespace) -> int:
+    args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
+    if not args.files:
+        raise LeaderboardError("no leaderboard files given and none in ./leaderboards/*.json")
+    print(build_page(_selected(args), args.out_dir, sources=args.files))
+    return 0
+
+
+def _board_plot(args: argparse.Namespace) -> int:
+    for path in plot_all(_selected(args), args.out_dir) or []:
+        print(path)
+    return 0
+
+
+# `blockgen leaderboard ACTION`'s runners (`check` is `blockgen regression check` under its older name).
+LEADERBOARD_ACTIONS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "add": _board_add, "collect": _board_collect, "show": _board_show, "compare": _board_compare,
+    "page": _board_page, "plot": _board_plot, "check": regression.run,
+}
+
+
 def _leaderboard(args: argparse.Namespace) -> int:
     try:
-        if args.action == "add":
-            board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
-            if args.description is not None:
-                board.description = args.description
-            count, replaced = leaderboard.add_results(args.results, board, args.model)
-            leaderboard.write(board, args.to)
-            print(f"{args.to}: {count} rows from {len(args.results)} results file(s) ({replaced} replaced older rows)")
-        elif args.action == "collect":
-            rows, files = leaderboard.collect(args.roots)
-            board = leaderboard.read(args.to) if Path(args.to).exists() else leaderboard.Leaderboard([])
-            if args.description is not None:
-                board.description = args.description
-            replaced = board.add(rows)
-            leaderboard.write(board, args.to)
-            print(f"{args.to}: {len(rows)} rows from {files} results file(s) under {len(args.roots)} root(s) "
-                  f"({replaced} replaced older rows)")
-        elif args.action == "show":
-            print(leaderboard.show_table(_selected(args), args.columns, args.best))
-        elif args.action == "compare":
-            try:
-                result = compare(args.a, args.b, args.metric, args.task)
-            except CompareError as err:
-                raise LeaderboardError(str(err)) from None
-            print(json.dumps(result.to_json(), indent=1) if args.json else format_comparison(result))
-        elif args.action == "check":
-            return regression.run(args)
-        elif args.action == "page":
-            args.files = args.files or sorted(str(p) for p in Path("leaderboards").glob("*.json"))
-            if not args.files:
-                raise LeaderboardError("no leaderboard files given and none in ./leaderboards/*.json")
-            print(build_page(_selected(args), args.out_dir, sources=args.files))
-        else:
-            for path in plot_all(_selected(args), args.out_dir) or []:
-                print(path)
+        return LEADERBOARD_ACTIONS[args.action](args)
     except LeaderboardError as err:
         print(f"blockgen leaderboard: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 # ------------------------------------------------------------------------------ main
