@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,8 +39,7 @@ def main() -> None:
     from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded
 
     samplers = [SamplerConfig("ar_greedy")] + [
-        SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, temperature=args.temperature)
-        for nfe in args.nfes for name, steps, ge, warmup in DIFFUSION_VARIANTS[nfe]
+        replace(v, temperature=args.temperature) for nfe in args.nfes for v in DIFFUSION_VARIANTS[nfe]
     ]
     best: dict[tuple[int, str], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

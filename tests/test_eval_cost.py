@@ -226,6 +226,8 @@ def test_the_rates_files_hold_what_the_dry_run_prices_with():
     reference = eval_cost.h200_reference()
     assert (reference.train_step_s, reference.step_batch, reference.step_len) == ({"two_stream": 0.094, "one_stream": 0.057}, 8, 1024)
     assert eval_cost.forward_seconds("one_stream", 1024) == pytest.approx(0.057 / 3 / 8)
+    # the dry run's assumptions print the file's figures (their one home)
+    assert "(0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024)" in eval_cost.full_scale_assumptions()
     # given rates (a bench's fresh ones) price instead of the stored file's
     g = GRIDS["gsm8k-embedded"]
     s = next(s for s in settings.settings(g) if (s.run, s.label) == ("tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"))

@@ -31,7 +31,7 @@ def samplers() -> list[SamplerConfig]:
     """The demo's samplers of a mixture with block size 1, every variant of the paper's grid, explicit
     block sizes, AR decoding, and a generation budget other than the default."""
     out = demo_samplers((1, 16), (1.0, 0.1), (4, 8, 16))
-    out += [v.as_sampler(0.7)
+    out += [replace(v, temperature=0.7)
             for by_nfe in GRID.values() for n in (4, 8, 16) for v in by_nfe[n]]
     out += [SamplerConfig("eipc", steps=8, ge=2, warmup=1, temperature=0.5, block_size=16),
             SamplerConfig("ancestral", steps=4, block_size=16), SamplerConfig("ar_sample", temperature=0.3),

@@ -10,7 +10,7 @@ import pytest
 
 from blockgen.harness import cli
 from blockgen.harness.evaluation.sampler_grid import GRID, pick
-from blockgen.models.sampler_config import paper_nfe_per_block
+from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,8 +21,7 @@ def test_every_variant_has_the_nfe_it_is_listed_under():
         for nfe, variants in by_nfe.items():
             assert len(set(variants)) == len(variants)
             for v in variants:
-                config = v.as_sampler()
-                assert v.sampler == sampler and paper_nfe_per_block(config) == nfe, v
+                assert v.name == sampler and v.temperature == 1.0 and paper_nfe_per_block(v) == nfe, v
                 if sampler == "arpc":  # appendix D, written out
                     assert v.steps + (v.steps - 1 - v.warmup) // v.ge + 1 == nfe
     # tables 5-6: 25 ARPC and 13 EIPC variants
@@ -30,10 +29,10 @@ def test_every_variant_has_the_nfe_it_is_listed_under():
 
 
 def test_pick_narrows_by_the_settings_given():
-    assert pick("arpc", 4) == ("arpc", 3, 2, 1)
-    assert pick("arpc", 4, ge=1) == ("arpc", 2, 1, 0)
-    assert pick("arpc", 8, ge=2, warmup=5) == ("arpc", 7, 2, 5)
-    assert pick("eipc", 16) == ("eipc", 16, 4, 0) and pick("ancestral", 32) == ("ancestral", 32, 1, 0)
+    assert pick("arpc", 4) == SamplerConfig("arpc", 3, 2, 1)
+    assert pick("arpc", 4, ge=1) == SamplerConfig("arpc", 2, 1, 0)
+    assert pick("arpc", 8, ge=2, warmup=5) == SamplerConfig("arpc", 7, 2, 5)
+    assert pick("eipc", 16) == SamplerConfig("eipc", 16, 4, 0) and pick("ancestral", 32) == SamplerConfig("ancestral", 32, 1, 0)
     with pytest.raises(ValueError, match="no arpc variant at NFE 8 with ge=4; the paper's are: steps=6,ge=3"):
         pick("arpc", 8, ge=4)
     with pytest.raises(ValueError, match=r"choose nfe from \[4, 8, 16, 32, 64\]"):
@@ -65,7 +64,7 @@ def test_adapter_nfe_picks_and_records_the_variant(tmp_path):
         cls.create_from_arg_string(f"pretrained={ckpt},nfe=0", {"device": "cpu"})
 
 
-def test_makefile_and_demo_read_the_grid():
+def test_makefile_and_demo_read_the_grid(capsys):
     """No copy of the grid elsewhere: the Makefile lists no variant (its sweeps read this module through
     harness/evaluation/sweep.py), and the demo runs each NFE's default variant."""
     from blockgen.harness.demo import DIFFUSION_VARIANTS
@@ -73,5 +72,7 @@ def test_makefile_and_demo_read_the_grid():
     makefile = (REPO / "Makefile").read_text()
     assert "3:2:1" not in makefile and "62:4:56" not in makefile and "4:3:1" not in makefile
     for nfe, variants in DIFFUSION_VARIANTS.items():
-        assert tuple(map(tuple, variants)) == tuple(tuple(pick(s, nfe)) for s in ("ancestral", "eipc", "arpc"))
-    assert cli.main(["variants", "arpc", "--nfe", "4", "8"]) == 0
+        assert variants == tuple(pick(s, nfe) for s in ("ancestral", "eipc", "arpc"))
+    # what the Makefile reads: steps:ge:warmup, the default of each NFE
+    assert cli.main(["variants", "arpc", "--nfe", "4", "8"]) == 0 and capsys.readouterr().out == "3:2:1 6:3:0\n"
+    assert cli.main(["variants", "eipc", "--nfe", "4", "--all", "--steps-only"]) == 0 and capsys.readouterr().out == "4 4\n"

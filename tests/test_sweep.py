@@ -29,11 +29,11 @@ import pytest
 
 from blockgen.harness import cli
 from blockgen.harness.evaluation import sweep
-from blockgen.harness.evaluation.sampler_grid import Variant
 from blockgen.harness.evaluation.grids import GRIDS, Grid, ModelSource
 from blockgen.harness.evaluation import settings as grid_settings
 from blockgen.harness.evaluation.settings import Setting, families, settings
 from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
+from blockgen.models.sampler_config import SamplerConfig
 from limits import HANG_S
 from vllm_env import vllm_python
 
@@ -98,7 +98,7 @@ def test_sampler_families_follow_block_sizes():
     assert families((1,)) == ("ar",)
     assert families((1, 16)) == ("arpc",) and families((1, 2, 4, 8, 16)) == ("arpc",)
     assert families((16,)) == families((1024,)) == ("ancestral", "eipc")
-    s = Setting("r", "ckpt", "t", Variant("arpc", 6, 3, 0).as_sampler(1.0))
+    s = Setting("r", "ckpt", "t", SamplerConfig("arpc", 6, 3, 0))
     assert s.label == "arpc-6-3-0-T1.0"  # the per-process Makefile's results folder
     assert s.model_args(2) == {"pretrained": "ckpt", "k_mc": 2, "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 0,
                                "temperature": 1.0}
@@ -158,7 +158,7 @@ def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work
     temperatures = (0.8, 1.0, 1.2)
     monkeypatch.setitem(GRIDS, "test-genppl", Grid(
         "owt", ("mix",), "owt_genppl_embedded", None, temperatures, ancestral_nfe=(), eipc=(),
-        arpc=(Variant("arpc", 3, 2, 1),), k_mc=2, limit=2, batch_size=2, source=ModelSource.EMBEDDED))
+        arpc=(SamplerConfig("arpc", 3, 2, 1),), k_mc=2, limit=2, batch_size=2, source=ModelSource.EMBEDDED))
     metadata = {"scorer": "vllm", "scorer_model": str(work / "scorer"), "scorer_vllm_python": python, "num_samples": 2}
     config = SweepConfig("test-genppl", runs=str(work / "runs"), metadata=metadata, progress=False)
     report = run_sweep(config)

@@ -14,8 +14,8 @@ Prices (`Price`: the headline seconds, and at full scale the FLOP bound beside i
   the stored H100 file otherwise), in the setting's own precision (`rates.full_scale_price`); a part without
   a measured rate (e.g. likelihood passes the file lacks, the Gen PPL scorer) is priced by the
   **derived** FLOP bound and counted apart (`Price.derived`). The FLOP bound of the whole setting is
-  printed beside it: the reference bf16 H200 training steps (`h200_reference()`: 0.094 s BlockGen, 0.057 s
-  AR, batch 8 x 1,024), a forward = 1/3 of a step, scaled by tokens (see `FULL_SCALE_ASSUMPTIONS`).
+  printed beside it: the reference bf16 H200 training steps (`h200_reference()`, BlockGen and AR), a
+  forward = 1/3 of a step, scaled by tokens (see `full_scale_assumptions()`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Literal
 from blockgen.harness.checkpoints.release_catalogue import RELEASES
 from blockgen.harness.checkpoints.release_paths import DATASETS, parse_release_path
 from blockgen.harness.costs.data_file import MEASURED_RATES, read_dataclass
+from blockgen.models.sampler_config import SamplerConfig, calls_per_block
 
 Kind = Literal["likelihood", "diffusion", "ar"]
 
@@ -86,14 +87,11 @@ class Price:
     derived: float = 0.0  # the part of `seconds` priced by the FLOP bound, for want of a measured rate
 
 
-def generation_calls(sampler: str, steps: int, ge: int, warmup: int, block: int, new_tokens: int) -> tuple[Kind, int]:
-    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows (no early stop)."""
-    from blockgen.models.sampler_config import SamplerConfig, calls_per_block
-
-    if sampler.startswith("ar_"):
+def generation_calls(sampler: SamplerConfig, block: int, new_tokens: int) -> tuple[Kind, int]:
+    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows in blocks of `block` (no early stop)."""
+    if sampler.is_ar:
         return "ar", new_tokens
-    config = SamplerConfig(name=sampler, steps=steps, ge=ge, warmup=warmup, block_size=block)
-    return "diffusion", calls_per_block(config, block) * math.ceil(new_tokens / block)
+    return "diffusion", calls_per_block(sampler, block) * math.ceil(new_tokens / block)
 
 
 # ------------------------------------------------------------------------------ measured CPU rates
@@ -213,17 +211,6 @@ CPU_ASSUMPTIONS = ("CPU-seconds = batched calls x seconds per call MEASURED by b
                    "else the task's documents; generation budget: owt fills the model, gsm8k 3/4 of its length "
                    "(full batches: one batch per sampler setting, per-row budgets inside it) or max_gen_toks (upper bound: batches stop early); Gen PPL: the offline scorer's measured seconds per sample "
                    "(score, MAUVE features and MAUVE); model loads not counted")
-FULL_SCALE_ASSUMPTIONS = ("GPU-hours = batched calls x seconds per batched call MEASURED on the rates file's device "
-                          "(harness/costs/rates.py: sampler calls per sampler and block size, likelihood passes per model and prior; "
-                          "a batch between two measured ones interpolated; the setting's precision, else its dtype with TF32 "
-                          "the other way), the parts without a measured rate (likelihood passes or block sizes the file "
-                          "lacks, the Gen PPL scorer) at the FLOP bound; model loads and vLLM start-up not counted. "
-                          "FLOP bound beside it: H200-hours DERIVED (eval_cost.plan_cost): a forward = 1/3 of the reference "
-                          "bf16 H200 training step (0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024), "
-                          "scaled by tokens; assumes bf16 matmuls; generation FLOP-proportional, a lower bound (cached "
-                          "calls of a 16-32-token block are latency-bound); uniform prior's float64 NELBO not counted. "
-                          "owt_ppl: the whole held-out split as the paper (last 100k documents, ~110,000 chunks of 1,024), "
-                          "gsm8k: 1,319 problems x 256 tokens")
 
 
 # ------------------------------------------------------------------------------ full-scale settings
@@ -251,6 +238,7 @@ def h200_reference() -> H200Reference:
 # document) -> ~1.1e8 tokens = ~110,000 chunks of 1,024 (approximate).
 OWT_PPL_SEQUENCES = 110_000
 GENPPL_SAMPLES, GSM8K_PROBLEMS = 1024, 1319  # the paper's Gen PPL samples; GSM8K's test set
+GSM8K_NEW_TOKENS = 256  # tokens generated per GSM8K problem
 SCORER_PARAMS_RATIO = 774 / 170  # GPT-2 Large scores owt_genppl samples: its forward vs the 170M network's
 
 
@@ -262,32 +250,51 @@ def forward_seconds(stream: str, tokens: float) -> float:
     return per_token * tokens
 
 
-def plan_cost(name: str, task: str, run: str, k_mc: int, limit: int | None, batch: int = 32) -> FullScalePlan:
-    """One setting's counted work and FLOP bound (H200-seconds, derived): `run` is sampler:steps:ge:warmup or
-    'likelihood'. Generation also counts its batched model calls (`batch` rows per call), whose latency the
-    FLOP count does not see: `rates.full_scale_price` prices them with measured rates."""
+def full_scale_assumptions() -> str:
+    """The full-scale pricing's assumptions, as the dry run prints them: the reference figures from
+    `h200_reference()` and the module's counts, so each number has one home."""
+    ref = h200_reference()
+    step = ref.train_step_s
+    return ("GPU-hours = batched calls x seconds per batched call MEASURED on the rates file's device "
+            "(harness/costs/rates.py: sampler calls per sampler and block size, likelihood passes per model and prior; "
+            "a batch between two measured ones interpolated; the setting's precision, else its dtype with TF32 "
+            "the other way), the parts without a measured rate (likelihood passes or block sizes the file "
+            "lacks, the Gen PPL scorer) at the FLOP bound; model loads and vLLM start-up not counted. "
+            "FLOP bound beside it: H200-hours DERIVED (eval_cost.plan_cost): a forward = 1/3 of the reference "
+            f"bf16 H200 training step ({step['two_stream']:g} s BlockGen over 2L, {step['one_stream']:g} s AR over L, "
+            f"batch {ref.step_batch} x {ref.step_len:,}), "
+            "scaled by tokens; assumes bf16 matmuls; generation FLOP-proportional, a lower bound (cached "
+            "calls of a 16-32-token block are latency-bound); uniform prior's float64 NELBO not counted. "
+            f"owt_ppl: the whole held-out split as the paper (last 100k documents, ~{OWT_PPL_SEQUENCES:,} chunks of 1,024), "
+            f"gsm8k: {GSM8K_PROBLEMS:,} problems x {GSM8K_NEW_TOKENS} tokens")
+
+
+def plan_cost(name: str, task: str, sampler: SamplerConfig | None, k_mc: int, limit: int | None,
+              batch: int = 32) -> FullScalePlan:
+    """One setting's counted work and FLOP bound (H200-seconds, derived) on release `name`: generation with
+    `sampler`, or the likelihood passes (None). Generation also counts its batched model calls (`batch` rows
+    per call), whose latency the FLOP count does not see: `rates.full_scale_price` prices them with measured rates."""
     setting = parse_release_path(RELEASES[name])
     seq_len = DATASETS[setting.dataset].seq_len
     sizes = setting.block_sizes or ((1,) if setting.algo == "ar" else (seq_len,))
     two_stream = setting.algo == "blockgen"
     stream = "two_stream" if two_stream else "one_stream"
     plan = dict(algo=setting.algo, prior=setting.prior, seq_len=seq_len)
-    if run == "likelihood":
+    if sampler is None:
         n = limit or OWT_PPL_SEQUENCES
         passes = likelihood_passes(sizes, k_mc) if setting.algo != "ar" else 1
         tokens = seq_len * (2 if two_stream else 1)
         return FullScalePlan(Work("likelihood", n, batch, passes), model_s=n * passes * forward_seconds(stream, tokens),
                              what=f"{n} sequences x {passes} passes", **plan)
-    sampler, steps, ge, warmup = run.split(":")
     if task.startswith("gsm8k"):
-        n, new_tokens, scorer = limit or GSM8K_PROBLEMS, 256, 0.0
+        n, new_tokens, scorer = limit or GSM8K_PROBLEMS, GSM8K_NEW_TOKENS, 0.0
     else:
         n, new_tokens = limit or GENPPL_SAMPLES, seq_len
         scorer = n * SCORER_PARAMS_RATIO * forward_seconds("one_stream", seq_len)
     block = seq_len if setting.algo in ("mdlm", "duo") else max(sizes)
-    kind, calls = generation_calls(sampler, int(steps), int(ge), int(warmup), block, new_tokens)
+    kind, calls = generation_calls(sampler, block, new_tokens)
     work = Work(kind, n, batch, calls, scored=n if scorer else 0)
-    plan.update(sampler=sampler, block=block, scorer_s=scorer)
+    plan.update(sampler=sampler.name, block=block, scorer_s=scorer)
     if kind == "ar":  # one token per call, cached: about one forward per sample
         gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
         return FullScalePlan(work, model_s=gen, what=f"{n} x {new_tokens} tokens, one per call", **plan)

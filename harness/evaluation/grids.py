@@ -12,23 +12,23 @@ A new grid is one entry in `GRIDS`; its models must be presets (harness/training
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Iterable, Literal
 
 from blockgen.harness.training.presets import DEMO_PRESETS
-from blockgen.harness.evaluation.sampler_grid import GRID, NFES, Variant, pick
+from blockgen.harness.evaluation.sampler_grid import GRID, NFES, pick
 from blockgen.models.sampler_config import SamplerConfig
 
 Benchmark = Literal["owt", "tinygsm"]
-AR_RUNS = (Variant("ar_greedy", 1), Variant("ar_sample", 1))
+AR_RUNS = (SamplerConfig("ar_greedy", steps=1), SamplerConfig("ar_sample", steps=1))
 
 
-def _all(sampler: str, nfes: Iterable[int] = NFES) -> tuple[Variant, ...]:
+def _all(sampler: str, nfes: Iterable[int] = NFES) -> tuple[SamplerConfig, ...]:
     return tuple(v for n in nfes for v in GRID[sampler][n])
 
 
-def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[Variant, ...]:
+def _defaults(sampler: str, nfes: Iterable[int]) -> tuple[SamplerConfig, ...]:
     return tuple(pick(sampler, n) for n in nfes)
 
 
@@ -56,8 +56,8 @@ class Grid:
     likelihood_task: str | None
     temperatures: tuple[float, ...]
     ancestral_nfe: tuple[int, ...]
-    eipc: tuple[Variant, ...]
-    arpc: tuple[Variant, ...]
+    eipc: tuple[SamplerConfig, ...]  # the paper's variants (sampler_grid.GRID), at temperature 1
+    arpc: tuple[SamplerConfig, ...]
     k_mc: int = 8
     limit: int | None = None
     batch_size: int = 32
@@ -92,8 +92,8 @@ _OFFLINE = dict(ancestral_nfe=(4, 8), eipc=_defaults("eipc", (4, 8)), k_mc=2, li
 # leaves in the demo's 128, so a longer prompt shortens the budget instead of being cut (`budget_hits`
 # counts the rows that used all of it).
 DEMO_NFES = (4, 8, 16)
-DEMO_VARIANTS: dict[int, tuple[Variant, ...]] = {n: tuple(pick(name, n) for name in ("ancestral", "eipc", "arpc"))
-                                                 for n in DEMO_NFES}
+DEMO_VARIANTS: dict[int, tuple[SamplerConfig, ...]] = {n: tuple(pick(name, n) for name in ("ancestral", "eipc", "arpc"))
+                                                       for n in DEMO_NFES}
 DEMO_MAX_GEN_TOKS = 80
 
 
@@ -103,8 +103,8 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
     ar_greedy = SamplerConfig("ar_greedy")
     if tuple(block_sizes) == (1,):
         return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
-    out = [v.as_sampler(t)
-           for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.sampler != "arpc" or 1 in block_sizes]
+    out = [replace(v, temperature=t)
+           for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.name != "arpc" or 1 in block_sizes]
     return out + ([ar_greedy] if 1 in block_sizes else [])
 
 

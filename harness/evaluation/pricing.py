@@ -39,10 +39,9 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     from blockgen.harness.checkpoints.release_catalogue import RELEASES
     from blockgen.harness.costs.eval_cost import plan_cost
 
-    run = LIKELIHOOD if s.sampler is None else f"{s.sampler.name}:{s.sampler.steps}:{s.sampler.ge}:{s.sampler.warmup}"
     name = f"{g.benchmark}-{model}"
     if not g.source.cpu_scale and name in RELEASES:
-        plan = plan_cost(name, s.task, run, g.k_mc, g.limit, g.batch_size)
+        plan = plan_cost(name, s.task, s.sampler, g.k_mc, g.limit, g.batch_size)
         if rates is None:
             return Price(plan.bound, f"{plan.what}; {plan.work.batched_calls} batched calls; no rates file: FLOP bound",
                          plan.bound, derived=plan.bound)
@@ -58,9 +57,8 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     if s.sampler is None:
         kind, calls = "likelihood", eval_cost.likelihood_passes(sizes, g.k_mc)
     else:
-        v, cap = s.sampler, dict(g.model_args).get("max_gen_toks")
-        budget = eval_cost.new_tokens(s.task, config.seq_len, cap)
-        kind, calls = eval_cost.generation_calls(v.name, v.steps, v.ge, v.warmup, max(sizes), budget)
+        budget = eval_cost.new_tokens(s.task, config.seq_len, dict(g.model_args).get("max_gen_toks"))
+        kind, calls = eval_cost.generation_calls(s.sampler, max(sizes), budget)
     if rows is None:
         return Price(None, f"all chunks x {calls} passes (count from the data: give --limit)")
     work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
@@ -73,14 +71,14 @@ def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None
     """One line per setting with its price, a subtotal per model and the total, the pricing's assumptions
     and (full scale) the rates file named in the header; returns the total headline seconds (CPU offline;
     full scale: at the measured rates of `source`, the FLOP bound where it has none)."""
-    from blockgen.harness.costs.eval_cost import CPU_ASSUMPTIONS, FULL_SCALE_ASSUMPTIONS, cpu_rates
+    from blockgen.harness.costs.eval_cost import CPU_ASSUMPTIONS, cpu_rates, full_scale_assumptions
 
     out = out or sys.stdout
     rates = source.rates if source else None
     models = {g.run_name(m): m for m in g.models}
     loads = len({s.run for s in todo})  # the models with a setting to run (a shard's may be fewer)
     print(f"# blockgen sweep: {len(todo)} settings on {loads} models, each model loaded once", file=out)
-    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=cpu_rates().measured) if g.source.cpu_scale else FULL_SCALE_ASSUMPTIONS), file=out)
+    print("# cost: " + (CPU_ASSUMPTIONS.format(measured=cpu_rates().measured) if g.source.cpu_scale else full_scale_assumptions()), file=out)
     if source is not None:
         print(f"# rates: {source.describe()}", file=out)
     extra = dict(g.model_args)

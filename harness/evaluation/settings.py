@@ -16,7 +16,6 @@ from typing import Any
 
 from blockgen.harness.evaluation.grids import AR_RUNS, Grid, ModelSource, demo_samplers
 from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_model_args
-from blockgen.harness.evaluation.sampler_grid import Variant
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
 from blockgen.harness.training.presets import preset
 from blockgen.models.sampler_config import SamplerConfig
@@ -79,11 +78,11 @@ def samplers(g: Grid, block_sizes: tuple[int, ...]) -> tuple[SamplerConfig, ...]
     if g.source is ModelSource.DEMO:
         found = demo_samplers(block_sizes, g.temperatures[:1], g.ancestral_nfe)
         return tuple(dict.fromkeys(replace(s, temperature=1.0) for s in found))
-    out = []
+    out: list[SamplerConfig] = []
     for family in families(block_sizes):
         out += {"ar": AR_RUNS, "arpc": g.arpc, "eipc": g.eipc,
-                "ancestral": tuple(Variant("ancestral", n) for n in g.ancestral_nfe)}[family]
-    return tuple(v.as_sampler() for v in out)
+                "ancestral": tuple(SamplerConfig("ancestral", steps=n) for n in g.ancestral_nfe)}[family]
+    return tuple(out)
 
 
 def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:
