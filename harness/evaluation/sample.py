@@ -26,6 +26,7 @@ from tqdm import tqdm
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
+from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_setting
 from blockgen.harness.evaluation.sampler_grid import settings_at
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
 from blockgen.models.sampling import check_config, generate, max_prompt_len
@@ -45,7 +46,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", choices=list(SAMPLERS), default=defaults.name)
     p.add_argument("--nfe", type=int, default=None, help="the paper's variant at this NFE per block (`blockgen variants "
                    "SAMPLER`), narrowed by any --steps/--ge/--warmup given; as lm-eval's nfe= model arg")
-    p.add_argument("--steps", type=int, default=None, help=f"N_step: reverse steps per block (default {defaults.steps})")
+    p.add_argument("--steps", type=int, default=None, help="N_step: reverse steps per block (default: the block size)")
     p.add_argument("--ge", type=int, default=None, help=f"an informed step every GE steps (eipc, arpc; default {defaults.ge})")
     p.add_argument("--warmup", type=int, default=None, help=f"ancestral steps before the first informed one (default {defaults.warmup})")
     p.add_argument("--temperature", type=float, default=defaults.temperature)
@@ -69,19 +70,17 @@ def run(args: argparse.Namespace) -> int:
         print("error: give --prompt (repeatable; '' for unconditional) or --prompts-file", file=sys.stderr)
         return 2
     try:
-        steps, ge, warmup = settings_at(args.sampler, args.nfe, args.steps, args.ge, args.warmup)
-        defaults = SamplerConfig()
-        config = SamplerConfig(
-            name=args.sampler, steps=defaults.steps if steps is None else steps, ge=defaults.ge if ge is None else ge,
-            warmup=defaults.warmup if warmup is None else warmup, temperature=args.temperature,
-            block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
-        )
         from blockgen.harness.checkpoints.release_import import resolve
         from blockgen.harness.checkpoints.release_paths import ReleaseOverrides
 
+        settings_at(args.sampler, args.nfe, args.steps, args.ge, args.warmup)  # a bad --nfe: its message, before any loading
         device = resolve_device(args.device)  # a device this machine lacks: the policy's message, before any loading
         checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
         model, tokenizer = load_checkpoint(checkpoint, device=device)
+        # the same rule as lm-eval's --model_args (steps default to the block size, nfe picks the variant)
+        config = sampler_setting(model.config, args.sampler, nfe=args.nfe, steps=args.steps, ge=args.ge, warmup=args.warmup,
+                                 temperature=args.temperature, block_size=args.block_size,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout)
         check_config(model, config)
     except (ValueError, CheckpointError, HubUnavailableError) as err:  # releases' errors are CheckpointErrors
         print(f"error: {err}", file=sys.stderr)

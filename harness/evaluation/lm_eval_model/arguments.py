@@ -1,7 +1,8 @@
 """The ``blockgen`` model type's arguments: lm-eval's ``--model_args`` parsed and checked once
-(`BlockGenLMArgs`), and a sampler setting to and from them in one place: `default_sampler` (model
-arguments -> `SamplerConfig`, the paper's variant when ``nfe=N`` is given), `sampler_model_args` (its
-inverse, for the sweep and the demo) and `gen_kwargs_sampler` (a task's ``gen_kwargs`` over them)."""
+(`BlockGenLMArgs`), and a sampler setting to and from them in one place: `sampler_setting` (a sampler's
+options on a checkpoint -> `SamplerConfig`, the paper's variant when ``nfe=N`` is given; `blockgen sample`
+uses it too), `default_sampler` (model arguments through it), `sampler_model_args` (the inverse, for the
+sweep and the demo) and `gen_kwargs_sampler` (a task's ``gen_kwargs`` over them)."""
 
 from __future__ import annotations
 
@@ -130,9 +131,26 @@ def _gen_batch_size(value: Any) -> int:
                      "for generation batches of --batch_size (its 'auto' included)")
 
 
+def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None, steps: int | None = None,
+                    ge: int | None = None, warmup: int | None = None, temperature: float | None = None,
+                    block_size: int | None = None, max_new_tokens: int | None = None, layout: str = "grid",
+                    seed: int = 0) -> SamplerConfig:
+    """The one rule from a sampler's options on a checkpoint to a `SamplerConfig`, for lm-eval's
+    ``--model_args`` (`default_sampler`) and `blockgen sample`'s flags alike: ``nfe`` picks the paper's
+    variant, narrowed by any steps/ge/warmup given; otherwise steps default to the block size (one
+    token per reverse step on average), ge to 1, warmup to 0, the temperature to 1 and the budget to
+    min(256, seq_len // 2)."""
+    from blockgen.harness.evaluation.sampler_grid import settings_at
+
+    steps, ge, warmup = settings_at(name, nfe, steps, ge, warmup)
+    steps = steps or resolve_block_size(config, SamplerConfig(name=name, block_size=block_size))
+    return SamplerConfig(name=name, steps=steps, ge=1 if ge is None else ge, warmup=warmup or 0,
+                         temperature=1.0 if temperature is None else temperature, block_size=block_size,
+                         max_new_tokens=max_new_tokens or min(256, config.seq_len // 2), seed=seed, layout=layout)
+
+
 def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
-    """The sampler `--model_args` select on a checkpoint: the one rule from model arguments to a
-    `SamplerConfig` (`sampler_model_args` is its inverse)."""
+    """The sampler `--model_args` select on a checkpoint (`sampler_model_args` is its inverse)."""
     if a.sampler:
         name = a.sampler
     elif config.block_sizes == (1,):  # AR checkpoint: greedy unless a temperature > 0 was given
@@ -140,19 +158,13 @@ def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
     else:
         name = "ancestral"
     try:
-        from blockgen.harness.evaluation.sampler_grid import settings_at
-
-        # nfe=: the paper's variant at that NFE, narrowed by any steps/ge/warmup given
-        steps, ge, warmup = settings_at(name, a.nfe, a.steps, a.ge, a.warmup)
-        # steps defaults to the block size: one token per reverse step on average
-        steps = steps or resolve_block_size(config, SamplerConfig(name=name, block_size=a.block_size))
-        temperature = 1.0 if a.temperature is None else a.temperature
-        sampler = SamplerConfig(name=name, steps=steps, ge=1 if ge is None else ge, warmup=warmup or 0, temperature=temperature,
-                                block_size=a.block_size, max_new_tokens=a.max_gen_toks or min(256, config.seq_len // 2),
-                                layout=a.layout)
+        sampler = sampler_setting(config, name, nfe=a.nfe, steps=a.steps, ge=a.ge, warmup=a.warmup,
+                                  temperature=a.temperature, block_size=a.block_size, max_new_tokens=a.max_gen_toks,
+                                  layout=a.layout)
     except ValueError as err:
         raise ValueError(f"blockgen --model_args: {err}") from None
     return checked_sampler(config, sampler, "--model_args")
+
 
 def checked_sampler(config: BlockGenConfig, sampler: SamplerConfig, where: str) -> SamplerConfig:
     try:
