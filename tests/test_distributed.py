@@ -1,7 +1,7 @@
 """One distributed setup (harness/runtime/distributed.py): the device policy, the ranks torchrun puts in the
 environment, joining the process group, and that training and the lm-eval adapter both go through it.
 
-No process group is started here (the 2-rank gloo runs are in test_train, test_lm_eval, test_sweep,
+No process group is started here (the 2-rank gloo runs are in test_train, test_lm_eval_command, test_sweep,
 test_gsm8k_code, test_prepare and test_restart): CUDA and `torch.distributed` are monkeypatched.
 """
 

@@ -12,7 +12,7 @@ import torch
 from blockgen.models.host_reads import HostReads, to_host
 from blockgen.models.sampler_config import SAMPLERS, SamplerConfig
 from blockgen.models.sampling import generate
-from test_sampling import V, tiny_model
+from sampling_models import V, tiny_model
 
 # Host reads a sampler may make: none inside a block, at most one per block (its tokens, read once
 # for EOS, stop strings and budgets).
