@@ -7,7 +7,7 @@ import torch
 
 # Fixtures that several test files share, defined in their helper modules and registered here (a
 # session fixture defined in one place is built once a session, however many files ask for it):
-from lm_eval_checkpoints import ckpts  # noqa: F401  the lm-eval tests' tiny checkpoints (test_gsm8k_code.py has its own)
+from lm_eval_checkpoints import ckpts  # noqa: F401  the lm-eval tests' tiny checkpoints
 from sampling_models import masked, uniform  # noqa: F401  tiny random models, one of each per test module
 
 _mauve_cache: str | None = None

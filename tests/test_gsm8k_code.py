@@ -85,7 +85,7 @@ def _checkpoint(out: Path, tok, block_sizes=(1, 16), block_weights=(0.2, 0.8)) -
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
+def gsm_ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gsm8k_ckpts")
     return {"sep": _checkpoint(root / "sep", _sep_bpe()), "no_sep": _checkpoint(root / "no_sep", _bpe_without_sep())}
 
@@ -119,7 +119,7 @@ def _samples(out_dir: Path, task: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", ["sep", "no_sep"])
-def test_prompts_are_the_training_ids(kind, ckpts, gsm8k_file):
+def test_prompts_are_the_training_ids(kind, gsm_ckpts, gsm8k_file):
     """Every GSM8K and embedded context, encoded as the adapter encodes it (BOS + tokenizer), is
     exactly `encode_prompt`'s [BOS] question SEP, for a tokenizer with a SEP token and one without."""
     from lm_eval.api.registry import get_model
@@ -127,35 +127,35 @@ def test_prompts_are_the_training_ids(kind, ckpts, gsm8k_file):
     import blockgen.lm_eval
 
     blockgen.lm_eval.register()
-    tok, special = gsm8k_code.checkpoint_tokenizer(str(ckpts[kind]))
+    tok, special = gsm8k_code.checkpoint_tokenizer(str(gsm_ckpts[kind]))
     assert (special.sep == (tok.sep_token_id,)) == (kind == "sep")
     if kind == "no_sep":
         assert special.sep == tuple(tok.encode("\n", add_special_tokens=False)) and special.bos == special.eos
-    lm = get_model("blockgen")(pretrained=str(ckpts[kind]), device="cpu")
+    lm = get_model("blockgen")(pretrained=str(gsm_ckpts[kind]), device="cpu")
     for load, kwargs in ((gsm8k_code.load_gsm8k, {"gsm8k_path": str(gsm8k_file)}),
                          (gsm8k_code.load_embedded, {"embedded_problems": 200})):
-        docs = load(pretrained=str(ckpts[kind]), **kwargs)["test"]
+        docs = load(pretrained=str(gsm_ckpts[kind]), **kwargs)["test"]
         assert len(docs) == (1319 if load is gsm8k_code.load_gsm8k else 200)
         for doc in docs:
             assert [lm.prefix_token_id, *lm.tok_encode(doc["prompt"])] == encode_prompt(doc["question"], tok, special)
 
 
-def test_prompt_mismatch_is_an_error(ckpts):
+def test_prompt_mismatch_is_an_error(gsm_ckpts):
     """A separator the tokenizer merges into the question's end would change the ids: refused."""
-    tok, special = gsm8k_code.checkpoint_tokenizer(str(ckpts["no_sep"]))
+    tok, special = gsm8k_code.checkpoint_tokenizer(str(gsm_ckpts["no_sep"]))
     assert tok.convert_ids_to_tokens(tok.encode("How many", add_special_tokens=False))[-1] == "Ġmany"
     merging = replace(special, sep=tuple(tok.encode("ny", add_special_tokens=False)))  # "ma" + "ny" -> "many"
     with pytest.raises(ValueError, match=r"1 of 2 prompts do not encode to the training ids"):
         gsm8k_code.prompt_contexts(["How many?", "How ma"], tok, merging)
 
 
-def test_task_needs_the_checkpoint_and_the_data(ckpts, tmp_path):
+def test_task_needs_the_checkpoint_and_the_data(gsm_ckpts, tmp_path):
     with pytest.raises(ValueError, match="pretrained=DIR"):
         gsm8k_code.load_embedded(embedded_problems=4)  # the YAML metadata gives the count
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "q", "response_ground_truth": "#### 1"}) + "\n")
     with pytest.raises(ValueError, match=r"lack field\(s\) \['answer', 'question'\]"):
-        gsm8k_code.load_gsm8k(gsm8k_path=str(bad), pretrained=str(ckpts["sep"]))
+        gsm8k_code.load_gsm8k(gsm8k_path=str(bad), pretrained=str(gsm_ckpts["sep"]))
 
 
 def test_embedded_problems_are_fixed_and_mixed():
@@ -315,8 +315,8 @@ def _lm_eval_args(ckpt: Path, task: str, out: Path, limit: int, metadata: dict |
     return args + (["--metadata", json.dumps(metadata)] if metadata else [])
 
 
-def test_lm_eval_gsm8k_code_on_the_real_split(ckpts, gsm8k_file, tmp_path):
-    proc = _run([str(BIN / "lm_eval"), *_lm_eval_args(ckpts["sep"], "gsm8k_code", tmp_path, 8,
+def test_lm_eval_gsm8k_code_on_the_real_split(gsm_ckpts, gsm8k_file, tmp_path):
+    proc = _run([str(BIN / "lm_eval"), *_lm_eval_args(gsm_ckpts["sep"], "gsm8k_code", tmp_path, 8,
                                                        {"gsm8k_path": str(gsm8k_file)})])
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_run(tmp_path, "gsm8k_code", 8)
@@ -326,21 +326,21 @@ def test_lm_eval_gsm8k_code_on_the_real_split(ckpts, gsm8k_file, tmp_path):
     assert all(s["doc"]["prompt"] == s["doc"]["question"] + "<|sep|>" for s in samples)
 
 
-def test_gsm8k_code_without_hub_or_file_names_the_twin(ckpts):
-    proc = _run([str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={ckpts['sep']}",
+def test_gsm8k_code_without_hub_or_file_names_the_twin(gsm_ckpts):
+    proc = _run([str(BIN / "lm_eval"), "--model", "blockgen", "--model_args", f"pretrained={gsm_ckpts['sep']}",
                  "--tasks", "gsm8k_code", "--limit", "1", "--device", "cpu"])
     assert proc.returncode != 0
     assert "gsm8k_code_embedded" in proc.stderr and "gsm8k_path" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_few_shot_is_refused(ckpts):
+def test_few_shot_is_refused(gsm_ckpts):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from blockgen.lm_eval import register, tasks_dir
 
     register()
-    pretrained = str(ckpts["sep"])
+    pretrained = str(gsm_ckpts["sep"])
     tasks = TaskManager(include_path=str(tasks_dir()), include_defaults=False,
                         metadata={"pretrained": pretrained, "embedded_problems": 4})
     with pytest.raises(ValueError, match="zero-shot .* got --num_fewshot 2"):
@@ -348,7 +348,7 @@ def test_few_shot_is_refused(ckpts):
                                 task_manager=tasks, num_fewshot=2, device="cpu", limit=2)
 
 
-def test_embedded_task_takes_its_problem_count_from_the_yaml(ckpts):
+def test_embedded_task_takes_its_problem_count_from_the_yaml(gsm_ckpts):
     """gsm8k_code_embedded.yaml's metadata is the one home of the default count (500; the dry run's
     cost reads it too); --metadata overrides it."""
     from lm_eval.tasks import TaskManager, get_task_dict
@@ -360,7 +360,7 @@ def test_embedded_task_takes_its_problem_count_from_the_yaml(ckpts):
     assert task_metadata("gsm8k_code_embedded")["embedded_problems"] == 500
     for extra, expected in (({}, 500), ({"embedded_problems": 7}, 7)):
         manager = TaskManager(include_path=str(tasks_dir()), include_defaults=False,
-                              metadata={"pretrained": str(ckpts["sep"]), **extra})
+                              metadata={"pretrained": str(gsm_ckpts["sep"]), **extra})
         task = get_task_dict(["gsm8k_code_embedded"], manager)["gsm8k_code_embedded"]
         assert len(list(task.test_docs())) == expected
 

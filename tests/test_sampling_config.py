@@ -111,16 +111,25 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert main(argv[:3] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
     assert "[1, 8]" in capsys.readouterr().err
     # --nfe: the paper's variant at that NFE (the rule of lm-eval's nfe= model arg), narrowed by --ge
-    from blockgen.harness.evaluation.sampler_grid import pick
+    from blockgen.harness.evaluation.sampler_grid import settings_at
 
     by_nfe = tmp_path / "nfe.jsonl"
     base = argv[:5] + ["--sampler", "arpc", "--max-new-tokens", "16", "--quiet", "--out", str(by_nfe)]
-    for extra, (steps, ge, warmup) in (([], pick("arpc", 4)[1:]), (["--ge", "1"], pick("arpc", 4, ge=1)[1:])):
+    for extra, (steps, ge, warmup) in (([], settings_at("arpc", 4)), (["--ge", "1"], settings_at("arpc", 4, ge=1))):
         assert main(base + ["--nfe", "4", *extra]) == 0
         sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
         assert (sampler["steps"], sampler["ge"], sampler["warmup"]) == (steps, ge, warmup)
     assert main(base + ["--nfe", "4", "--steps", "99"]) == 2
     assert "no arpc variant at NFE 4 with steps=99" in capsys.readouterr().err
+    # Without --nfe or --steps: the block size, the setting lm-eval's model args give (one rule, sampler_setting)
+    from dataclasses import asdict
+
+    from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, default_sampler
+
+    assert main(base) == 0
+    sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
+    assert sampler["steps"] == 8
+    assert sampler == asdict(default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc", max_gen_toks=16), config))
 
 
 def test_temperature_divides_the_logits(masked):
