@@ -21,7 +21,8 @@ the folders the per-process Makefile used; a rerun skips a setting whose results
 setting, checkpoint hash, limit, task metadata and seed. Under torchrun the settings run data parallel
 (rank 0 writes); rank 0 alone decides what is done and broadcasts it (`decided_on_rank0`), so ranks
 without a shared file system run the same settings. The demo's grid (`demo`) is in the same registry;
-`blockgen demo` runs it on its own worker pool (harness/demo.py imports `demo_samplers`).
+`blockgen demo` schedules it on its own worker pool, because it trains and evaluates side by side, one
+job per core (a sweep loads trained models); each of its evaluations is one `run_task`, the same call of lm-eval.
 
 Several jobs: `--shard I/N` runs job I's share of the grid (split by price: harness/evaluation/pricing.py).
 The jobs need no process group with each other (each may be its own
