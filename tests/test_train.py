@@ -63,7 +63,11 @@ def test_resume_continues_exactly(workdir):
     train(resumed, progress=False)
     with pytest.raises(ValueError, match=r"different \['lr'\]"):
         train(replace(resumed, max_steps=40, lr=1.0), progress=False)
-    train(replace(resumed, max_steps=40), progress=False)  # extending the budget resumes
+    with pytest.raises(ValueError, match=r"different \['data'\]"):
+        train(replace(resumed, max_steps=40, data=replace(resumed.data, n_train=1000)), progress=False)
+    # extending the budget resumes, also from a data cache at another place (a run folder moved with it)
+    moved = replace(resumed.data, cache_dir=str(workdir / "moved-data-cache"))
+    train(replace(resumed, max_steps=40, data=moved), progress=False)
     a = load_file(str(workdir / "straight" / "checkpoint" / "model.safetensors"))
     b = load_file(str(workdir / "resumed" / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()

@@ -36,7 +36,11 @@ def resume_training_state(ckpt_dir: Path, config: TrainConfig, model: torch.nn.M
     # a setting added after the checkpoint was written had its default then
     saved = {**TrainConfig().to_dict(), **state["config"]}
     saved["data"] = current_names(saved["data"])  # renamed values ("embedded") in today's spelling
-    changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
+    now = config.to_dict()
+    # data.cache_dir is a location, as out_dir is: a run folder moved together with its data cache resumes
+    for data in (saved["data"], now["data"]):
+        data.pop("cache_dir", None)
+    changed = sorted(k for k, v in now.items() if saved.get(k) != v and k not in RESUMABLE_CHANGES)
     if changed:
         raise ValueError(f"{ckpt_dir} was written with different {changed}; use another out_dir")
     model.load_state_dict(state["model"])
