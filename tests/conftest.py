@@ -5,10 +5,12 @@ import tempfile
 import pytest
 import torch
 
-# Fixtures that several test files share, defined in their helper modules and registered here (a
-# session fixture defined in one place is built once a session, however many files ask for it):
-from lm_eval_checkpoints import ckpts  # noqa: F401  the lm-eval tests' tiny checkpoints
+from machine_share import WHOLE_MACHINE, MachineLock, shared_root
+
+# Fixtures that several test files share, defined in their helper modules and registered here: the
+# trained artefacts in tests/shared_fixtures.py, built once per run whichever xdist worker asks first.
 from sampling_models import masked, uniform  # noqa: F401  tiny random models, one of each per test module
+from shared_fixtures import ci_checkpoint, ckpts  # noqa: F401
 
 _mauve_cache: str | None = None
 
@@ -16,6 +18,8 @@ _mauve_cache: str | None = None
 def pytest_configure(config):
     """MAUVE's cache (harness/evaluation/mauve_cache.py) of the tests and of the commands they start: a folder of
     this session, not ~/.cache. Set before collection, so the modules' ENV copies carry it."""
+    config.addinivalue_line("markers", f"{WHOLE_MACHINE}: runs with no other test beside it under xdist "
+                            "(outcomes that could depend on the load: sandbox wall clocks, signals at a step, time budgets)")
     global _mauve_cache
     _mauve_cache = tempfile.mkdtemp(prefix="blockgen-test-mauve-")
     os.environ["BLOCKGEN_MAUVE_CACHE"] = _mauve_cache
@@ -32,3 +36,38 @@ def one_torch_thread():
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the subprocesses the tests start
     yield
+
+
+# The modules that take longest (fixtures that train, vLLM servers), slowest first, measured one process at a time
+# on the 2-core machine (2026-11-28, `--durations=0`, summed per module): under `--dist loadscope` a worker
+# takes a module at a time in collection order, so starting these first keeps one long module from being last.
+SLOW_MODULES_FIRST = (
+    "test_owt_tasks.py", "test_train.py", "test_sweep.py", "test_lm_eval_command.py", "test_leaderboard.py",
+    "test_gsm8k_code.py", "test_graphs.py", "test_restart.py", "test_prepare.py", "test_tasks_any_model.py",
+    "test_scorers.py", "test_sweep_shards.py", "test_gpu_check.py", "test_outcomes.py", "test_released.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+_machine: MachineLock | None = None
+
+
+def _whole(item) -> bool:
+    return item is not None and item.get_closest_marker(WHOLE_MACHINE) is not None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of a `whole_machine` test hold the machine alone; any other test holds it shared."""
+    global _machine
+    if _machine is None:
+        _machine = MachineLock(shared_root(item.config._tmp_path_factory))
+    _machine.acquire(_whole(item))
+    try:
+        return (yield)
+    finally:
+        _machine.release(keep_whole=_whole(item) and _whole(nextitem))

@@ -1,6 +1,7 @@
 """The lm-eval tests' tiny checkpoints (tests/test_lm_eval_model.py, tests/test_lm_eval_command.py), trained
-here for a few dozen steps on `blockgen_toy` text (no hub, no GPU): `ckpts`, a session fixture that
-tests/conftest.py registers, so both files share one training; and `one_thread`, their autouse fixture."""
+here for a few dozen steps on `blockgen_toy` text (no hub, no GPU): `build_lm_eval_checkpoints`, which
+the session fixture `ckpts` (tests/shared_fixtures.py) runs once per `make test`; and `one_thread`, their
+autouse fixture."""
 
 from __future__ import annotations
 
@@ -72,9 +73,7 @@ def _train(out: Path, tok, block_sizes, block_weights, steps: int, seed: int) ->
     return save_checkpoint(out, model, tok)
 
 
-@pytest.fixture(scope="session")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lm_eval_ckpts")
+def build_lm_eval_checkpoints(root: Path) -> dict[str, Path]:
     tok = train_bpe(training_text(400), vocab_size=400)  # whole words: the toy vocabulary is small
     with _one_thread():
         return {

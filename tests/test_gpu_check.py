@@ -57,6 +57,7 @@ def cli_run(tmp_path_factory):
     return json.loads(proc.stdout), proc.stderr, out
 
 
+@pytest.mark.whole_machine
 def test_cpu_mode_through_the_real_command_line(cli_run):
     """The stages at micro size through `blockgen gpu-check --device cpu`."""
     summary, _, out = cli_run
@@ -114,6 +115,7 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
     assert training_tokens_per_s(rates, "uniform", CPU_SCALE.seq_len) == largest["tokens_per_s"]
 
 
+@pytest.mark.whole_machine
 def test_the_command_prints_one_table(cli_run):
     """After the JSON (stdout), the table on stderr: one line per stage with its status, share and key figure."""
     summary, stderr, _ = cli_run

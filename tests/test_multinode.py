@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +84,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.whole_machine
 def test_two_nodes_without_a_shared_run_directory_stop_at_start(tmp_path):
     """Two processes as two machines (RANK 0 and 1, each LOCAL_RANK 0): the same relative --out-dir, but
     each in its own working directory, as two local disks; the data cache is shared (absolute)."""

@@ -10,13 +10,13 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from blockgen.harness.reports import outcomes as oc
 from limits import HANG_S
+from shared_fixtures import train_ci_preset
 
 BLOCKGEN = [sys.executable, "-m", "blockgen.harness.cli"]
 LIMIT = 6
@@ -30,20 +30,12 @@ def cli(*args) -> subprocess.CompletedProcess:
                           env={**os.environ, **ENV_KEYS})
 
 
-def train_tiny(out_dir: Path, seed: int = 0, steps: int = 40) -> Path:
-    from blockgen.harness.training.presets import preset
-    from blockgen.harness.training.train import train
-
-    config = preset("ci")
-    return Path(train(replace(config, out_dir=str(out_dir), seed=seed, max_steps=steps,
-                              data=replace(config.data, cache_dir=str(out_dir.parent / "data")))))
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> dict:
-    """A store with a tiny checkpoint and its outcomes, and a rerun's results root kept for the tests."""
+def store(tmp_path_factory, ci_checkpoint) -> dict:
+    """A store with a tiny checkpoint (the `ci` preset's, shared) and its outcomes, and a rerun's results root
+    kept for the tests."""
     work = tmp_path_factory.mktemp("outcomes")
-    checkpoint = train_tiny(work / "train" / "m")
+    checkpoint = ci_checkpoint
     store = work / "store"
     done = cli("regression", "update", "--to", store, "--limit", LIMIT, "--checkpoint", checkpoint, "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -131,7 +123,7 @@ def test_missing_setting_fails(store):
 def test_another_model_changes_responses_and_is_named(store):
     """Another checkpoint (a perturbed model) against the stored outcomes: its changed responses are counted."""
     other = store["work"] / "other"
-    oc.store_checkpoint(train_tiny(store["work"] / "train" / "seed1", seed=1, steps=20), oc.checkpoint_dir(other))
+    oc.store_checkpoint(train_ci_preset(store["work"] / "seed1", seed=1, steps=20), oc.checkpoint_dir(other))
     r = cli("regression", "check", "--against", store["store"], "--runs", other, "--no-progress")
     assert "is not the one the outcomes were stored for" in r.stdout
     table = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["same"], ["changed"], ["WORSE"])]

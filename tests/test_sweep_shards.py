@@ -329,6 +329,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.whole_machine
 def test_two_gloo_ranks_that_see_different_folders_follow_rank0(work, whole, tmp_path):
     """Rank 0's folder holds every result, rank 1's is empty: both skip everything (rank 1 deciding on
     its own would load the model and run alone until the timeout)."""
