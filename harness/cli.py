@@ -288,7 +288,7 @@ def _presets(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.checkpoint import CheckpointError
     from blockgen.harness.checkpoints.hub import HubUnavailableError
-    from blockgen.harness.training.stop_signals import TrainingStopped
+    from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped
     from blockgen.harness.training.train import train
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
@@ -296,8 +296,11 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, CheckpointError, HubUnavailableError) as err:
         print(f"blockgen train: error: {err}", file=sys.stderr)
         return 2
-    except TrainingStopped as stopped:  # SIGTERM / SIGUSR1: saved and said so (train), exit 128 + the signal's number
+    except TrainingStopped as stopped:  # SIGTERM / SIGUSR1 / SIGINT: saved and said so (train), exit 128 + the signal's number
         return stopped.exit_code
+    except TrainingInterrupted as interrupted:
+        print(f"blockgen train: {interrupted}", file=sys.stderr)
+        return interrupted.exit_code
     return 0
 
 

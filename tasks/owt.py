@@ -67,13 +67,25 @@ def _data_config(source: str, data_path: str | None):
     return DataConfig(source=source, path=data_path)
 
 
+def _held_out(source: str, data_path: str | None, task: str) -> list[str]:
+    """The source's held-out documents; where the hub cannot be reached, the error names the task's offline twin."""
+    from blockgen.harness.checkpoints.hub import HubUnavailableError
+    from blockgen.harness.data.sources import document_split
+
+    try:
+        return document_split(_data_config(source, data_path))[1]
+    except HubUnavailableError as err:
+        raise HubUnavailableError(f"{err}\n{task}: the offline twin {task}_embedded (--tasks {task}_embedded) reads the "
+                                  f"embedded text (or --metadata '{{\"data_path\": FILES}}' local documents).") from err
+
+
 # ------------------------------------------------------------------------------------ owt_ppl
 
 
 def ppl_chunks(pretrained: str | None = None, source: str = "owt", data_path: str | None = None, **_metadata):
     """The checkpoint's held-out chunks: one document {"chunk": i, "text": decoded, "tokens": [...]} per chunk."""
     from blockgen.harness.checkpoints.checkpoint import CheckpointError, read_config
-    from blockgen.harness.data.sources import chunk_documents, document_split
+    from blockgen.harness.data.sources import chunk_documents
     from blockgen.harness.checkpoints.tokenizer import SpecialTokens, load_tokenizer, special_tokens
 
     need = ("owt_ppl scores a BlockGen checkpoint on its own token chunks with both bounds: "
@@ -86,7 +98,7 @@ def ppl_chunks(pretrained: str | None = None, source: str = "owt", data_path: st
         raise ValueError(f"{need} ({err})") from None
     tokenizer = load_tokenizer(pretrained)
     special = SpecialTokens.from_dict(config.special_tokens) if config.special_tokens else special_tokens(tokenizer)
-    held_out = document_split(_data_config(source, data_path))[1]
+    held_out = _held_out(source, data_path, "owt_ppl")
     chunks = chunk_documents(held_out, tokenizer, special, config.seq_len).tokens.tolist()
     return _dataset([{"chunk": i, "text": tokenizer.decode(c), "tokens": c} for i, c in enumerate(chunks)])
 
@@ -151,14 +163,7 @@ PASSAGE_RULE = 1  # bump when `reference_passages` cuts passages another way: ca
 def held_out_passages(references: ReferenceSet) -> list[str]:
     """The first `num_samples` passages of a reference set's held-out documents (`ReferenceSet`); walks
     every held-out document: 25.6 s per process at OWT's size, hence the cache in `genppl_references`."""
-    from blockgen.harness.data.sources import document_split
-    from blockgen.harness.checkpoints.hub import HubUnavailableError
-
-    try:
-        held_out = document_split(_data_config(references.source, references.data_path))[1]
-    except HubUnavailableError as err:
-        raise HubUnavailableError(f"{err}\nowt_genppl: the offline twin owt_genppl_embedded reads the embedded "
-                                  f"text (or --metadata '{{\"data_path\": FILES}}' local documents).") from err
+    held_out = _held_out(references.source, references.data_path, "owt_genppl")
     return reference_passages(held_out, references.reference_chars)[: references.num_samples]
 
 

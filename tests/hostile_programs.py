@@ -24,16 +24,15 @@ class Case:
     expect: frozenset[Outcome]
     check: Callable[[SandboxResult], bool] | None = None
     destructive: bool = False  # would hurt the test process if isolation were missing
-    needs_root: bool = False  # the expectation rests on the run's own uid (evaluator as root)
 
     def source(self, world: World) -> str | bytes:
         return self.code(world) if callable(self.code) else self.code
 
 
 def case(
-    name: str, code: Code, *expect: Outcome, check=None, destructive=False, needs_root=False
+    name: str, code: Code, *expect: Outcome, check=None, destructive=False
 ) -> Case:
-    return Case(name, code, frozenset(expect), check, destructive, needs_root)
+    return Case(name, code, frozenset(expect), check, destructive)
 
 
 # --- the world the cases run in (tests/test_sandbox_corpus.py builds it) ----------------------
@@ -278,8 +277,7 @@ def corpus() -> list[Case]:
         case(
             "kill_parent",
             program("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nreturn 1\n"),
-            E,
-            needs_root=True,  # otherwise the parent is pid 1, of the same uid, and ignores it
+            E,  # EPERM in both modes: the filter refuses signals to pid 1 (as root, so would its uid)
         ),
         case(
             "kill_evaluator_by_pid",

@@ -142,16 +142,37 @@ def test_nll_interval_weights_tokens_and_agrees_with_a_bootstrap():
         compare_nll(NLL_A[:1], NLL_B[:1])
 
 
-def _write_run(out: Path, task: str, values: list[dict], hashes: list[str], stamp: str) -> Path:
+def _write_run(out: Path, task: str, values: list[dict], hashes: list[str], stamp: str, docs: list[dict] | None = None) -> Path:
     """An lm-eval output folder (results_<time>.json + samples_<task>_<time>.jsonl) with these
-    per-document metric values."""
+    per-document metric values (and docs, where given)."""
     out.mkdir(parents=True)
     results = out / f"results_{stamp}.json"
     results.write_text(json.dumps({"results": {task: {}}}))
+    docs = docs or [None] * len(values)
     (out / f"samples_{task}_{stamp}.jsonl").write_text("".join(
-        json.dumps({"doc_id": i, "doc_hash": h, "filter": "none", "metrics": sorted(v), **v}) + "\n"
-        for i, (v, h) in enumerate(zip(values, hashes))))
+        json.dumps({"doc_id": i, **({"doc": d} if d else {}), "doc_hash": h, "filter": "none", "metrics": sorted(v), **v}) + "\n"
+        for i, (v, h, d) in enumerate(zip(values, hashes, docs))))
     return results
+
+
+def test_runs_of_two_tokenizers_pair_on_the_question(tmp_path):
+    """gsm8k_code keeps the prompt's length in tokens in each doc, so lm-eval's doc_hash differs between two
+    checkpoints with other tokenizers; the problems are the same, and pair on their question."""
+    questions = [f"Tom has {i} apples. How many?" for i in range(10)]
+    a, b = [1.0] * 6 + [0.0] * 4, [1.0] * 3 + [0.0] * 7
+    for name, tokens, values, stamp in (("a", 14, a, "2026-11-28T10-00-00.0"), ("b", 19, b, "2026-11-28T11-00-00.0")):
+        docs = [{"question": q, "answer": "#### 1", "prompt_tokens": tokens + i} for i, q in enumerate(questions)]
+        _write_run(tmp_path / name, "gsm8k_code_embedded", _outcomes(values), [f"{name}{i}" for i in range(10)], stamp, docs)
+    c = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert (c.n, c.counts["a_only"], c.paired_on) == (10, 3, "doc.question")
+    r = subprocess.run([str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0 and "10 problems paired (on doc.question)" in r.stdout, r.stdout + r.stderr
+    # another problem under one doc_id: refused, naming the key
+    docs = [{"question": q, "prompt_tokens": 3} for q in questions[:9] + ["Another question?"]]
+    _write_run(tmp_path / "c", "gsm8k_code_embedded", _outcomes(b), [f"a{i}" for i in range(10)], "2026-11-28T12-00-00.0", docs)
+    with pytest.raises(CompareError, match="1 of 10 differ by doc.question, first doc_id 9"):
+        compare(str(tmp_path / "a"), str(tmp_path / "c"))
 
 
 def _outcomes(values: list[float]) -> list[dict]:
@@ -191,11 +212,11 @@ def test_compare_command_on_owt_ppl_logs(tmp_path):
     cmd = [str(BIN / "blockgen"), "leaderboard", "compare", str(tmp_path / "a"), str(tmp_path / "b")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
-    assert "owt_ppl nll, 4 documents paired" in r.stdout
+    assert "owt_ppl nll, 4 documents paired (on doc_hash)" in r.stdout
     assert "A - B = -0.1750 nats/token, 95% interval -0.3273..-0.0227 (paired), p = 0.035" in r.stdout
     assert "resolved at 95% (paired t-interval over documents, 3 degrees of freedom)" in r.stdout
     r = subprocess.run([*cmd, "--metric", "nll_jensen", "--json"], capture_output=True, text=True, timeout=HANG_S)
     c = json.loads(r.stdout)
     assert c["metric"] == "nll_jensen" and c["value_a"] == pytest.approx(3.35) and c["difference"] == pytest.approx(-0.175)
     jensen = compare_nll(*([(ll - 1, n) for ll, n in v] for v in (NLL_A, NLL_B)), "owt_ppl", "nll_jensen", (c["a"], c["b"]))
-    assert c == jensen.to_json()
+    assert c == {**jensen.to_json(), "paired_on": "doc_hash"}  # these docs carry no identifying field

@@ -91,14 +91,10 @@ def gsm_ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A micro mixture (block sizes 1 and 4) trained for 40 steps on generated word problems: the `ci` preset."""
-    from blockgen.harness.training.presets import preset
-    from blockgen.harness.training.train import train
-
-    out = tmp_path_factory.mktemp("trained")
-    base = preset("ci")
-    return Path(train(preset("ci", out_dir=str(out / "ci"), data=replace(base.data, cache_dir=str(out / "data")))))
+def trained(ci_checkpoint) -> Path:
+    """A micro mixture (block sizes 1 and 4) trained for 40 steps on generated word problems: the `ci` preset,
+    shared with other modules (tests/shared_fixtures.py)."""
+    return ci_checkpoint
 
 
 def _run(cmd: list[str], timeout: int = HANG_S, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -196,6 +192,7 @@ HAND_WRITTEN = {  # completion -> verdict against ANSWER (or the answer given)
 }
 
 
+@pytest.mark.whole_machine
 def test_scoring_of_hand_written_programs():
     """Right, wrong, float, printed, no function, syntax error, exception, endless loop, hostile:
     each gets its verdict, the filter runs them all at once, and the evaluator is untouched."""
@@ -259,6 +256,7 @@ def test_is_correct() -> None:
     assert is_correct(SandboxResult(Outcome.OK, value=18), "#### 18")
 
 
+@pytest.mark.whole_machine
 def test_scoring_accepts_reference_programs_and_rejects_others():
     """The generator's own programs score right through the task's filter and scoring (with trailing text
     after the program); a changed answer or a printed one does not."""

@@ -258,6 +258,7 @@ def online(monkeypatch):
     """As on a machine with the hub configured (no offline mode), with the backoff's waits recorded."""
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub, "_endpoint_resolves", lambda: True)  # this machine resolves no hub name
     waits = []
     monkeypatch.setattr(hub, "time", SimpleNamespace(sleep=waits.append))
     return waits
@@ -294,6 +295,35 @@ def test_hub_call_retries_with_backoff_then_fails_clearly(online):
         with pytest.raises(hub.HubUnavailableError):
             hub.hub_call(raises(answer, tries), "model x")
         assert len(tries) == 1 and online == []  # an answer, not an unreachable hub: no retry
+
+
+def test_no_retry_where_the_hub_name_does_not_resolve_and_owt_ppl_names_its_twin(tmp_path, online, monkeypatch):
+    """No network (the hub's host name does not resolve, as on this machine): one try, no waits; owt_ppl's
+    error names `--tasks owt_ppl_embedded`, as owt_genppl's names its twin."""
+    import datasets
+
+    monkeypatch.undo()  # the real check first: the loopback resolves, a reserved .invalid name never does
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert hub._endpoint_resolves()
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    assert not hub._endpoint_resolves()
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub, "time", SimpleNamespace(sleep=online.append))
+    monkeypatch.setattr(hub, "_endpoint_resolves", lambda: False)
+    tries = []
+    with pytest.raises(hub.HubUnavailableError):
+        hub.hub_call(raises(ConnectionError("Couldn't reach 'openwebtext' on the Hub"), tries), "dataset openwebtext")
+    assert len(tries) == 1 and online == []
+    monkeypatch.setattr(datasets, "load_dataset", raises(ConnectionError("no route")))
+    data._hub_rows.cache_clear()
+    try:
+        with pytest.raises(hub.HubUnavailableError, match=r"(?s)unreachable.*owt_ppl: the offline twin owt_ppl_embedded "
+                                                         r"\(--tasks owt_ppl_embedded\)"):
+            owt._held_out("owt", None, "owt_ppl")
+    finally:
+        data._hub_rows.cache_clear()
+    assert online == []
 
 
 def test_owt_references_and_scorer_from_an_unreachable_hub(tmp_path, online, monkeypatch):

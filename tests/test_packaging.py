@@ -40,3 +40,27 @@ def test_editable_install_maps_the_folders():
     site = [p for p in sys.path if p.endswith("site-packages")]
     for generic in ("models", "tasks", "harness"):
         assert not any((Path(p) / generic).exists() or (Path(p) / f"{generic}.py").exists() for p in site)
+
+
+def test_declared_ranges_accept_the_tested_versions_and_the_cpu_pins():
+    """pyproject.toml declares ranges, not pins, so an image's own torch stays; the versions docs/lm_eval.md says
+    were tested, and constraints-cpu.txt's pins (make setup), all lie inside them."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    declared = {r.name: r.specifier for r in map(Requirement, tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])}
+    assert str(declared["torch"]) and not str(declared["torch"]).startswith("==")  # a range
+    doc = (REPO / "docs" / "lm_eval.md").read_text()
+    section = doc.split("## Installing into an existing environment", 1)[1].split("\n## ", 1)[0]
+    tested = re.findall(r"torch (\d+\.\d+\.\d+)", section)
+    assert {"2.11.0", "2.13.0"} <= set(tested)
+    for version in tested:
+        assert declared["torch"].contains(version), (version, declared["torch"])
+    pins = [Requirement(line) for line in (REPO / "constraints-cpu.txt").read_text().splitlines() if line and not line.startswith("#")]
+    assert {p.name for p in pins} >= {"torch", "transformers"}
+    for pin in pins:
+        (version,) = [spec.version for spec in pin.specifier]
+        assert declared[pin.name].contains(version), (pin, declared[pin.name])
+    assert "-c constraints-cpu.txt" in (REPO / "Makefile").read_text()

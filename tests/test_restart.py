@@ -20,10 +20,13 @@ import torch
 from safetensors.torch import load_file
 
 from blockgen.harness.checkpoints.checkpoint import KILL_IN_SAVE_ENV, TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
-from blockgen.harness.training.stop_signals import TrainingStopped, stop_requests
+from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped, stop_requests
 from blockgen.harness.training.train import keep_records_up_to
 from blockgen.harness.training.train_config import TrainConfig
 from limits import HANG_S
+
+# 2-rank torchrun runs killed and restarted: alone under xdist.
+pytestmark = pytest.mark.whole_machine
 
 PY = sys.executable
 MAX_STEPS = 30
@@ -228,9 +231,11 @@ def worker_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def test_sigterm_to_one_rank_saves_on_every_rank_and_a_rerun_resumes(straight_run, tmp_path):
-    """SIGTERM to rank 1 alone: both ranks stop at the same step boundary, rank 0 saves, the workers
-    exit 143 (128 + SIGTERM) with a message; the same command again resumes there and ends bit-identical."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_one_rank_saves_on_every_rank_and_a_rerun_resumes(straight_run, tmp_path, signum):
+    """SIGTERM (SLURM's) or SIGINT (a terminal's Ctrl-C) to rank 1 alone: both ranks stop at the same step
+    boundary, rank 0 saves, the workers exit 128 + the signal's number with a message; the same command
+    again resumes there and ends bit-identical."""
     straight, cache = straight_run
     out = tmp_path / "signalled"
     cmd = fault_command(out, cache)
@@ -242,7 +247,7 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_a_rerun_resumes(straight_ru
             time.sleep(0.02)
         pid = worker_pid(proc.pid, 1)
         assert pid is not None, "rank 1 not found"
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signum)
         _, stderr = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
@@ -250,8 +255,8 @@ def test_sigterm_to_one_rank_saves_on_every_rank_and_a_rerun_resumes(straight_ru
             proc.wait()
     stopped = saved_step(out)
     assert proc.returncode != 0 and 2 <= stopped < FAULT_STEPS, stderr[-3000:]
-    assert f"blockgen train: stopped by SIGTERM at step {stopped}" in stderr
-    assert re.search(r"exitcode\s*:\s*143", stderr)  # torchrun's report of a worker's exit (128 + SIGTERM)
+    assert f"blockgen train: stopped by {signal.Signals(signum).name} at step {stopped}" in stderr
+    assert re.search(rf"exitcode\s*:\s*{128 + signum}", stderr)  # torchrun's report of a worker's exit (128 + the signal)
     assert max(logged_steps(out)) == stopped  # no rank went on past the step it saved
 
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path, env=run_env())
@@ -320,3 +325,17 @@ def test_stop_signals_set_a_flag_and_the_exit_code_names_the_signal():
     assert signal.getsignal(signal.SIGTERM) is before
     assert TrainingStopped(signal.SIGTERM, 7, Path("x")).exit_code == 143
     assert TrainingStopped(signal.SIGUSR1, 7, Path("x")).exit_code == 138
+    assert TrainingStopped(signal.SIGINT, 7, Path("x")).exit_code == 130
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """Ctrl-C asks the run to save at the next step; a second one before that stops it there and then."""
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match="second Ctrl-C: stopped at once without saving"):
+        with stop_requests() as box:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert box[0] == signal.SIGINT  # the first: a request, no exception
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs between bytecodes; never reached
+    assert signal.getsignal(signal.SIGINT) is before
+    assert TrainingInterrupted().exit_code == 130

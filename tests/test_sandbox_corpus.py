@@ -19,7 +19,10 @@ import pytest
 from blockgen.tasks.sandbox import Outcome, SandboxResult, isolation_report, run_many, run_program
 from blockgen.tasks.gsm8k_code import is_correct  # the task's, on the sandbox's results
 from hostile_programs import CASES, Case, World, bombs, corpus
-from sandbox_helpers import FAST, ROOT, SLACK_S, program, run_cgroups, wait_until_gone
+from sandbox_helpers import FAST, SLACK_S, program, run_cgroups, wait_until_gone
+
+# Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
+pytestmark = pytest.mark.whole_machine
 
 
 # --- the hostile environment -------------------------------------------------------------------
@@ -99,7 +102,7 @@ def outcomes(world: World) -> dict[str, SandboxResult]:
         runnable = [
             c
             for c in group
-            if (strongly_isolated(world) or not c.destructive) and (ROOT or not c.needs_root)
+            if strongly_isolated(world) or not c.destructive
         ]
         codes = [c.source(world) for c in runnable]
         for c, r in zip(runnable, run_many(codes, cfg, max_workers=2)):
@@ -115,7 +118,7 @@ def test_corpus_size() -> None:
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.name)
 def test_hostile_program(c: Case, outcomes: dict[str, SandboxResult]) -> None:
     if c.name not in outcomes:
-        pytest.skip("needs root, or a PID namespace, to be meaningful and safe to run")
+        pytest.skip("destructive without a PID namespace or a uid of its own: not run")
     r = outcomes[c.name]
     assert r.outcome in c.expect, (r.outcome, r.error, r.value, r.stderr[-500:])
     assert c.check is None or c.check(r), (r.outcome, r.error, r.value, r.stdout[:200])

@@ -12,6 +12,9 @@ from blockgen.tasks.sandbox import Outcome, run_many, run_program
 from blockgen.tasks.gsm8k_code import extract_code, is_correct  # the task's, on the sandbox's results
 from sandbox_helpers import FAST, GSM8K
 
+# Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
+pytestmark = pytest.mark.whole_machine
+
 
 # --- code extraction on real GSM8K records (scored by the task's is_correct) ---------------------
 

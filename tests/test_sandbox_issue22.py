@@ -26,6 +26,7 @@ from sandbox_helpers import (
     GSM8K,
     NEIGHBOUR,
     NEIGHBOUR_VALUE,
+    ROOT,
     TOKEN,
     contained,
     leftovers,
@@ -34,6 +35,9 @@ from sandbox_helpers import (
     settled,
     syscall_numbers,
 )
+
+# Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
+pytestmark = pytest.mark.whole_machine
 
 
 # --- the seven classes of issue 22: each attempt contained, the neighbour scores, nothing left ----
@@ -114,7 +118,13 @@ def test_class1_no_descriptor_into_the_host_tree(tmp_path: Path) -> None:
         while not (found := ready()) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert found, sandbox_processes(tmp_path)
-        targets = [t for pid in found for t in fd_targets(pid)]
+        if ROOT:
+            targets = [t for pid in found for t in fd_targets(pid)]
+        else:  # the run's processes are not dumpable: their descriptors are root's to list, not ours
+            for pid in found:
+                with pytest.raises(PermissionError):
+                    fd_targets(pid)
+            targets = ["/dev/null"]
     finally:
         worker.join()
     assert targets and all(t == "/dev/null" or t.startswith("pipe:[") for t in targets), targets
@@ -303,7 +313,9 @@ def test_class5_a_run_cannot_starve_its_neighbour(tmp_path: Path, monkeypatch) -
         (r,) = contained(tmp_path, program(SESSIONS_ATTACK), cfg=cfg,
                          neighbour=(BUSY_NEIGHBOUR, BUSY // 8 * 28))
         assert r.outcome is Outcome.OK and r.value == 0, r  # not one setsid went through
-        cpu_cgroups = any("cpu" in names for _, names in cgroups._cgroup_parents())
+        # a cpu cgroup where this evaluator may make one (root, or a delegated subtree): an ordinary user
+        # usually may not, and then runs compete process by process (docs/sandbox.md, the modes' table)
+        cpu_cgroups = any("cpu" in names and os.access(parent, os.W_OK) for parent, names in cgroups._cgroup_parents())
         expected = "cpu:autogroup" if autogroup else "cpu:cgroup" if cpu_cgroups else None
         assert expected is None or expected in r.isolation, r.isolation
 

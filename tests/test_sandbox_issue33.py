@@ -16,9 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import pytest
+
 from blockgen.tasks.sandbox import Outcome, SandboxConfig, SandboxResult, run_program
 from limits import HANG_S
 from sandbox_helpers import FAST, contained, program, run_cgroups, sandbox_processes, syscall_numbers
+
+# Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
+pytestmark = pytest.mark.whole_machine
 
 
 # --- issue 33: what a run could still take from the machine outside its namespaces and cgroups -----

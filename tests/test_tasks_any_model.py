@@ -119,7 +119,13 @@ def test_hf_owt_genppl_embedded_with_only_the_scorer(random_gpt2, tmp_path):
     r = lm_eval("hf", f"pretrained={random_gpt2}", "owt_genppl_embedded", tmp_path, "--metadata", meta)
     assert r.returncode == 0, r.stderr[-3000:]
     results, samples = outputs(tmp_path, "owt_genppl_embedded")
-    assert len(samples) == 64  # the task's num_samples
+    # the task's num_samples (64), or as many held-out passages as this Python's `pydoc_data.topics` gives:
+    # the embedded text is the interpreter's (Debian's 3.11.2 gives 59, 3.11.7 more than 64)
+    from blockgen.harness.evaluation.mauve_cache import ReferenceSet
+    from blockgen.tasks.owt import PASSAGE_RULE, held_out_passages
+
+    available = len(held_out_passages(ReferenceSet.of("text", None, 64, 600, PASSAGE_RULE)))
+    assert len(samples) == min(64, available) > 50
     for s in samples:
         context, gen_kwargs = s["arguments"]["gen_args_0"]["arg_0"], s["arguments"]["gen_args_0"]["arg_1"]
         assert context == "<|endoftext|>"

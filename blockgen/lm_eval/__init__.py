@@ -12,11 +12,14 @@ plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks
 
 import functools
 import inspect
+import os
+import sys
 from pathlib import Path
 
 MODEL_NAME = "blockgen"
 ADAPTER = "blockgen.harness.evaluation.lm_eval_model.model:BlockGenLM"
 TASKS_PACKAGE = "blockgen.tasks"
+TRACEBACK_ENV = "BLOCKGEN_TRACEBACK"  # =1: bad input under lm_eval shows its whole traceback again
 
 
 def register_model(registry) -> None:
@@ -27,6 +30,42 @@ def register_model(registry) -> None:
 
     if MODEL_NAME not in registry.model_registry:
         registry.model_registry.register(MODEL_NAME, target=ADAPTER)
+    brief_input_errors()
+
+
+def _ours(filename: str) -> bool:
+    """A frame of this project's code (blockgen.harness, .models, .tasks, .lm_eval), wherever installed."""
+    import blockgen.harness
+    import blockgen.models
+    import blockgen.tasks
+
+    roots = [Path(p.__file__).parent for p in (blockgen.harness, blockgen.models, blockgen.tasks)]
+    return any(Path(filename).is_relative_to(root) for root in roots)
+
+
+def brief_input_errors() -> None:
+    """Bad input under ``lm_eval`` (a missing checkpoint, ``sampler=foo``, ``nfe=5``...) reaches the user as the
+    project's one-block message, not a 30-line traceback whose last line it is. Only an error this project
+    raised about its input: a ValueError, or an error class of its own, raised in its code; anything else (a
+    bug of ours, every other model type's errors) goes to the hook that was there. ``BLOCKGEN_TRACEBACK=1``
+    shows the traceback again."""
+    previous = sys.excepthook
+    if getattr(previous, "_blockgen_brief", False):
+        return
+
+    def hook(kind, value, tb):
+        last = tb
+        while last is not None and last.tb_next is not None:
+            last = last.tb_next
+        ours = last is not None and (issubclass(kind, ValueError) or kind.__module__.startswith("blockgen."))
+        if ours and os.environ.get(TRACEBACK_ENV) != "1" and _ours(last.tb_frame.f_code.co_filename):
+            print(f"\nlm_eval --model {MODEL_NAME}: error: {value}\n(the traceback: rerun with {TRACEBACK_ENV}=1)",
+                  file=sys.stderr)
+            return
+        previous(kind, value, tb)
+
+    hook._blockgen_brief = True
+    sys.excepthook = hook
 
 
 def tasks_dir() -> Path:

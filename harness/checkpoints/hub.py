@@ -2,8 +2,8 @@
 
 `hub_call` retries a load a few times with exponential backoff when the hub could not be reached (a
 dropped connection or a busy hub should not end a sweep of hours), never when retrying cannot help:
-offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), a bad name, a repository, revision or file the
-hub says does not exist, a local folder that is not a model. (huggingface_hub also retries each HTTP
+offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), a hub whose host name does not resolve (no network),
+a bad name, a repository, revision or file the hub says does not exist, a local folder that is not a model. (huggingface_hub also retries each HTTP
 request itself, about 20 s, so an unreachable hub is declared after about a minute.)
 """
 
@@ -56,6 +56,19 @@ def _transient(err: BaseException | None) -> bool:
     return False
 
 
+def _endpoint_resolves() -> bool:
+    """The hub's host name resolves: without it (no network, no DNS) no retry can reach the hub."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
 def hub_call(load: Callable[[], T], what: str, hint: str = OFFLINE_HINT, tries: int = HUB_TRIES) -> T:
     """Run a loader that may touch the hub, up to `tries` times with exponential backoff while the
     failure may be transient; then one clear error ending with `hint` (the offline alternative)."""
@@ -65,7 +78,7 @@ def hub_call(load: Callable[[], T], what: str, hint: str = OFFLINE_HINT, tries: 
             return load()
         except (OSError, ConnectionError, TimeoutError, ValueError) as err:
             # transformers/datasets raise OSError (or subclasses) for "not found locally and offline".
-            if attempt >= tries or hub_offline() or not _transient(err):
+            if attempt >= tries or hub_offline() or not _transient(err) or not _endpoint_resolves():
                 after = f" (the hub did not answer in {attempt} tries)" if attempt > 1 else ""
                 raise HubUnavailableError(f"could not load {what}{after}: {err}\n{hint}") from err
         time.sleep(HUB_BACKOFF_S * 2 ** (attempt - 1))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +101,41 @@ def _task_of_results(path: Path) -> str:
     return tasks[0] if len(tasks) == 1 else "?"
 
 
-def paired(a: Samples, b: Samples, metric: str) -> tuple[list[int], list[Any], list[Any]]:
-    """(doc ids, A's values, B's values) of the documents both logged the metric for; the documents
-    must be the same ones (lm-eval's doc_hash)."""
+# What identifies a document, the first field a task's docs have: its own id, else the question or text it
+# poses. Never lm-eval's doc_hash alone: it hashes the whole doc, in which a task may keep fields derived from
+# the model's tokenizer (gsm8k_code's prompt_tokens), so two checkpoints' runs of one problem would not pair.
+IDENTITY_FIELDS = ("id", "question", "text", "context", "reference")
+
+
+def document_key(records: list[dict]) -> str:
+    """The field that pairs these logged samples: `doc.<field>` of IDENTITY_FIELDS that every doc has, else
+    `doc_hash` (lm-eval's hash of the whole doc)."""
+    docs = [r.get("doc") for r in records]
+    for field in IDENTITY_FIELDS:
+        if docs and all(isinstance(d, dict) and field in d for d in docs):
+            return f"doc.{field}"
+    return "doc_hash"
+
+
+def _identity(record: dict, key: str) -> Any:
+    return record["doc"][key[4:]] if key.startswith("doc.") else record.get(key)
+
+
+def paired(a: Samples, b: Samples, metric: str) -> tuple[list[int], list[Any], list[Any], str]:
+    """(doc ids, A's values, B's values, the key they were paired on) of the documents both logged the
+    metric for; A's and B's document of each id must be the same one by that key (`document_key`)."""
     if a.task != b.task:
         raise CompareError(f"A is task {a.task!r}, B is {b.task!r}: compare runs of one task")
     common = sorted(i for i in set(a.records) & set(b.records) if metric in a.records[i] and metric in b.records[i])
     if not common:
         have = sorted({k for r in a.records.values() for k in r.get("metrics", [])})
         raise CompareError(f"no document has metric {metric!r} in both runs (A's metrics: {have})")
-    other = [i for i in common if a.records[i].get("doc_hash") != b.records[i].get("doc_hash")]
+    key = document_key([a.records[i] for i in common] + [b.records[i] for i in common])
+    other = [i for i in common if _identity(a.records[i], key) != _identity(b.records[i], key)]
     if other:
-        raise CompareError(f"A and B did not see the same documents ({len(other)} of {len(common)} differ, first doc_id "
-                           f"{other[0]}): compare runs of one task with the same data and --limit")
-    return common, [a.records[i][metric] for i in common], [b.records[i][metric] for i in common]
+        raise CompareError(f"A and B did not see the same documents ({len(other)} of {len(common)} differ by {key}, "
+                           f"first doc_id {other[0]}): compare runs of one task with the same data and --limit")
+    return common, [a.records[i][metric] for i in common], [b.records[i][metric] for i in common], key
 
 
 # ------------------------------------------------------------------------------ accuracy
@@ -174,6 +195,7 @@ class Comparison:
     unpaired_low: float
     unpaired_high: float
     counts: dict[str, int] | None = None  # accuracy: both, a_only, b_only, neither
+    paired_on: str = ""  # what identified a document in both runs (`document_key`); set by `compare`
 
     @property
     def resolved(self) -> bool:
@@ -275,12 +297,14 @@ def compare(path_a: str, path_b: str, metric: str | None = None, task: str | Non
     if metric is None:
         first = next(iter(a.records.values()))
         metric = next((m for m in ("gen_ppl", "nll") if m in first), "exact_match")
-    _, va, vb = paired(a, b, metric)
+    _, va, vb, key = paired(a, b, metric)
     if metric == "gen_ppl":
-        return compare_gen_ppl(va, vb, a.task, (a.path, b.path))
-    if metric in NLL_METRICS:
-        return compare_nll(va, vb, a.task, metric, (a.path, b.path))
-    return compare_accuracy(va, vb, a.task, metric, (a.path, b.path))
+        comparison = compare_gen_ppl(va, vb, a.task, (a.path, b.path))
+    elif metric in NLL_METRICS:
+        comparison = compare_nll(va, vb, a.task, metric, (a.path, b.path))
+    else:
+        comparison = compare_accuracy(va, vb, a.task, metric, (a.path, b.path))
+    return replace(comparison, paired_on=key)
 
 
 def format_comparison(c: Comparison) -> str:
@@ -296,7 +320,7 @@ def format_comparison(c: Comparison) -> str:
 
     unit = " points" if pct else " nats/token" if nll else ""
     noun = "problems" if pct else "documents" if nll else "samples"
-    lines = [f"{c.task} {c.metric}, {c.n} {noun} paired",
+    lines = [f"{c.task} {c.metric}, {c.n} {noun} paired (on {c.paired_on})",
              f"  A  {v(c.value_a):>8}  {c.a}", f"  B  {v(c.value_b):>8}  {c.b}"]
     if c.counts:
         k = c.counts

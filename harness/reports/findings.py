@@ -126,7 +126,7 @@ def pool(finding: Finding, run_dirs: list[Path]) -> Pooled:
     for run in run_dirs:
         paths = [run / "results" / model / f"{label}.json" for model, label in (finding.a, finding.b)]
         a, b = (load_samples(p) for p in paths)
-        _, va, vb = paired(a, b, "exact_match")
+        _, va, vb, _ = paired(a, b, "exact_match")
         c = compare_accuracy(va, vb, a.task, "exact_match")
         runs.append({"run": str(run), "accuracy_a": c.value_a, "accuracy_b": c.value_b, "difference": c.difference,
                      "low": c.low, "high": c.high, "p_value": c.p_value, "a_only": c.counts["a_only"],

@@ -1,7 +1,9 @@
 """Stopping a training run on a signal. SIGTERM or SIGUSR1 (what SLURM sends before preemption or the
-time limit) sets a flag instead of killing the process (`stop_requests`); the ranks agree on it at the
-next step boundary (`agreed_stop`), save a checkpoint, and `train` raises `TrainingStopped`; the CLI
-exits with 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1).
+time limit) and SIGINT (Ctrl-C in a terminal) set a flag instead of killing the process
+(`stop_requests`); the ranks agree on it at the next step boundary (`agreed_stop`), save a checkpoint,
+and `train` raises `TrainingStopped`; the CLI exits with 128 + the signal's number (143 for SIGTERM, 138
+for SIGUSR1, 130 for SIGINT). A second Ctrl-C before that stops at once (`TrainingInterrupted`), saving
+nothing more.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch.distributed as dist
 
 from blockgen.harness.runtime.distributed import Distributed
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM: preemption, `--signal=USR1@SECONDS` before the time limit
+# SLURM: preemption, `--signal=USR1@SECONDS` before the time limit; a terminal: Ctrl-C (torchrun forwards it)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class TrainingStopped(Exception):
@@ -32,6 +35,16 @@ class TrainingStopped(Exception):
         return 128 + self.signum  # the shell's convention for "ended by this signal"
 
 
+class TrainingInterrupted(Exception):
+    """A second Ctrl-C while the run was finishing its step to save: stopped at once, nothing more saved."""
+
+    exit_code = 128 + signal.SIGINT
+
+    def __init__(self) -> None:
+        super().__init__("second Ctrl-C: stopped at once without saving; the steps since the last checkpoint are "
+                         "lost (run the same command again to resume from it)")
+
+
 @contextlib.contextmanager
 def stop_requests():
     """While training: STOP_SIGNALS set a flag (a box holding the signal's number) instead of killing the
@@ -42,6 +55,8 @@ def stop_requests():
         return
 
     def handler(signum, frame):
+        if signum == signal.SIGINT and box[0]:  # the user insists: do not wait for the step to end
+            raise TrainingInterrupted
         box[0] = signum
 
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}

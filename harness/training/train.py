@@ -7,8 +7,8 @@ rank, from the step's seed) and its slice of stratified diffusion times. AdamW w
 gradient clipping, an EMA of the weights (used for validation and saved in model.safetensors),
 periodic validation with the log-sum-exp bound, and crash-safe checkpoints a restarted run resumes
 from (two slots, `checkpoint` and `checkpoint.prev`: harness/checkpoints/checkpoint.py; resuming, the copies
-kept at `keep_steps` and the check that every rank sees one run directory: `run_directory`). SIGTERM
-or SIGUSR1 stops the run at the next step boundary on every rank with a checkpoint (`stop_signals`).
+kept at `keep_steps` and the check that every rank sees one run directory: `run_directory`). SIGTERM,
+SIGUSR1 or SIGINT stops the run at the next step boundary on every rank with a checkpoint (`stop_signals`).
 The settings are `train_config.TrainConfig`; a step's FLOPs and memory estimate, `flops_memory`.
 """
 

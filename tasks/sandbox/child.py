@@ -21,6 +21,7 @@ NAME_LIMIT = 200
 KEYCTL_JOIN_SESSION_KEYRING = 1
 IOPRIO_WHO_PROCESS = 1
 IOPRIO_IDLE = 3 << 13  # IOPRIO_CLASS_IDLE: disk time only when no one else wants it
+PR_SET_DUMPABLE = 4
 
 
 def say(fd, write, *fields):
@@ -32,8 +33,8 @@ def typename(obj):
     return type.__dict__["__name__"].__get__(type(obj))[:NAME_LIMIT]
 
 
-def syscall():
-    # libc's syscall() through _ctypes directly: importing the ctypes package costs more than a
+def libc(name="syscall"):
+    # A libc function through _ctypes directly: importing the ctypes package costs more than a
     # tenth of a whole run. None where that fails (the keyring then stays the inherited one).
     try:
         import _ctypes
@@ -48,7 +49,7 @@ def syscall():
         class Libc:
             _handle = _ctypes.dlopen(None, 0)
 
-        return Fn(("syscall", Libc))
+        return Fn((name, Libc))
     except Exception:
         return None
 
@@ -195,8 +196,14 @@ def main():
     os.dup2(null, 0)
     os.close(null)
     try:
-        call = syscall()
+        call = libc()
         idle = lower_priorities(call, ioprio_set, nice)
+        # pid 1 not dumpable, before the fork (the program inherits it): its /proc entries (cwd, root,
+        # fd, environ) are out of the program's reach even where both share a uid (an evaluator without
+        # root); as root, the program's own uid change already makes it so.
+        prctl = libc("prctl")
+        if prctl is None or prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError("prctl(PR_SET_DUMPABLE, 0) failed")
         child = os.fork()
         if child == 0:
             limits = (cpu, mem, fsize, nproc, nofile)

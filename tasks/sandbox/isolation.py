@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .config import _SCRATCH, KiB, SandboxConfig
 
@@ -110,17 +110,28 @@ def _ancestors(paths: Iterable[str], skip: Iterable[str] = ()) -> list[str]:
 
 _PRIVATE = ("/tmp", "/dev/shm")  # a private, size-bounded tmpfs each, world-writable like the host's
 _KERNEL = ("/proc", "/dev")  # the run's own views, mounted by bwrap
+_KEY_LISTS = ("/proc/keys", "/proc/key-users")
 
 
 def _inside(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _mount_args(cfg: SandboxConfig, root: _Root) -> list[str]:
+@functools.cache
+def key_lists() -> tuple[str, ...]:
+    """Keys live in no namespace: /proc/keys lists every key the uid may view (the evaluator's own, where
+    the program shares its uid, as without root), /proc/key-users every uid's key counts. Each is
+    covered by an empty file, as the seccomp filter covers the key calls. (Not /dev/null: a device
+    node on a user namespace's mount cannot be opened.)"""
+    return tuple(path for path in _KEY_LISTS if os.path.exists(path))
+
+
+def _mount_args(cfg: SandboxConfig, root: _Root, empty_fds: Sequence[int] = ()) -> list[str]:
     """The sandbox's file system, in the order bwrap builds it: /proc, /dev and the private tmpfs
     first, then the interpreter's binds (so an interpreter under /tmp or /dev/shm is bound on top
     of the private tmpfs, not hidden by it), then the scratch directory. bwrap makes missing
-    directories 0700 and owned by root: each one on the way is made 0755 first."""
+    directories 0700 and owned by root: each one on the way is made 0755 first. `empty_fds`: one
+    readable descriptor at its end per `key_lists()` path, whose (empty) contents cover it."""
     scratch = os.path.join(cfg.scratch_root, _SCRATCH)
     for path in root.binds:  # what no order of mounts can give: refused, by name
         if any(_inside(top, path) for top in (*_PRIVATE, *_KERNEL)):
@@ -129,6 +140,8 @@ def _mount_args(cfg: SandboxConfig, root: _Root) -> list[str]:
             raise RuntimeError(f"cannot bind {path} into the sandbox: the run's own "
                                f"{'/proc' if _inside(path, '/proc') else 'scratch directory'} covers it")
     args = ["--proc", "/proc", "--dev", "/dev"]
+    for fd, path in zip(empty_fds, key_lists(), strict=True):  # an empty file (bwrap reads the descriptor)
+        args += ["--perms", "0444", "--ro-bind-data", str(fd), path]
     size = str(cfg.tmpfs_bytes)
     for path in _PRIVATE:
         args += ["--perms", "1777", "--size", size, "--tmpfs", path]

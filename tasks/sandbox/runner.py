@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from .cgroups import _RunCgroups, _autogroup, _oom_first
 from .config import _SCRATCH, ENTRY_POINT, MAX_CONCURRENT, NOBODY, KiB, SandboxConfig
-from .isolation import _bwrap, _mount_args, _root
+from .isolation import _bwrap, _mount_args, _root, key_lists
 from .results import Outcome, SandboxResult, _Channel, _decide
 from .seccomp import _seccomp
 
@@ -149,6 +149,12 @@ def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> 
     pipes = [os.pipe() for _ in range(4)]  # result, info, block, seccomp
     (result_r, result_w), (info_r, info_w), (block_r, block_w), (seccomp_r, seccomp_w) = pipes
     ours, theirs = [result_r, info_r, block_w], [result_w, info_w, block_r, seccomp_r]
+    empty_fds = []  # read ends of pipes already closed for writing: empty files for bwrap's --ro-bind-data
+    for _ in key_lists():
+        read, write = os.pipe()
+        os.close(write)
+        empty_fds.append(read)
+    theirs += empty_fds
     try:
         try:
             os.write(seccomp_w, bpf)  # a few KiB: fits the pipe's buffer before bwrap reads it
@@ -169,7 +175,7 @@ def _run_in_slot(source: bytes, cfg: SandboxConfig, start: float, slot: int) -> 
         argv = [
             bwrap, *namespaces, "--unshare-cgroup-try", *caps, "--die-with-parent", "--new-session",
             "--as-pid-1", "--clearenv", "--info-fd", str(info_w), "--block-fd", str(block_r),
-            "--seccomp", str(seccomp_r), *_mount_args(cfg, root), "--",
+            "--seccomp", str(seccomp_r), *_mount_args(cfg, root, empty_fds), "--",
             root.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _child_source(), str(result_w),
             *map(str, (*limits, uid, gid, keyctl, ioprio_set, nice)), cfg.entry_point,
         ]

@@ -3,7 +3,7 @@
 Built with libseccomp, it refuses keyrings (but joining a fresh session keyring), io_uring,
 userfaultfd, perf_event_open, bpf, fanotify, mount and friends, ptrace and cross-process memory
 access, namespace creation (unshare, setns, clone with namespace flags; clone3 reports ENOSYS so
-libc falls back to clone), setsid (one session, so one scheduling autogroup, per run), every socket
+libc falls back to clone), setsid (one session, so one scheduling autogroup, per run), signals to pid 1, every socket
 family but Unix (and growing a socket's buffers), the page cache's probes and evictions (fadvise,
 readahead, mincore, cachestat, RWF_NOWAIT, madvise COLD/PAGEOUT), O_DIRECT and every I/O class but
 idle; flushes (sync, syncfs, fsync, ...) return 0 without running; syscalls of other ABIs (i386,
@@ -100,6 +100,12 @@ def _seccomp() -> tuple[bytes, int, int]:
     refuse("openat", sc.Arg(2, sc.MASKED_EQ, os.O_DIRECT, os.O_DIRECT))
     refuse("fcntl", sc.Arg(1, sc.MASKED_EQ, INT, F_SETFL), sc.Arg(2, sc.MASKED_EQ, os.O_DIRECT, os.O_DIRECT))
     refuse("openat2", err=errno.ENOSYS)  # its flags sit in memory; libc's open() uses openat
+    # No signal reaches pid 1, the run's reaper (kill(-1) already spares it): as root the program's own
+    # uid makes kill(1) EPERM; without root both share a uid, and pid 1 of a PID namespace ignores
+    # SIGKILL from inside, so the same call would answer 0. EPERM in both modes, whatever the call.
+    for name in ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open"):
+        refuse(name, sc.Arg(0, sc.MASKED_EQ, INT, 1))
+    refuse("pidfd_send_signal")  # its target is a descriptor (open("/proc/1") gives one), out of the filter's reach
     for name in _FLUSHES:
         refuse(name, err=0)
     refuse("msync", sc.Arg(2, sc.MASKED_EQ, MS_SYNC, MS_SYNC), err=0)

@@ -79,7 +79,12 @@ class BlockGenLMArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown blockgen model argument(s) {unknown}; valid: {cls.user_args()}")
+            import difflib
+
+            hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown
+                     if (close := difflib.get_close_matches(name, cls.user_args(), n=1, cutoff=0.6))]
+            raise ValueError(f"unknown blockgen model argument(s) {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+                             + f"; valid: {cls.user_args()}")
         if kwargs.get("pretrained") in (None, ""):
             raise ValueError("blockgen needs pretrained=<checkpoint directory> in --model_args")
         values = {k: v for k, v in kwargs.items() if v is not None}
