@@ -74,6 +74,8 @@ def test_lm_eval_command_runs_three_task_types(ckpts, single_process):
     assert info["blockgen"]["block_sizes"] == [1, 8] and info["blockgen"]["block_weights"] == [0.2, 0.8]
     assert info["blockgen"]["k_mc"] == 2 and info["blockgen"]["seed"] == 3
     assert info["blockgen"]["sampler"]["name"] == "ancestral" and info["blockgen"]["sampler"]["steps"] == 4
+    # recorded once, as run: no sampler default of the seed or the token budget beside the real ones
+    assert "seed" not in info["blockgen"]["sampler"] and "max_new_tokens" not in info["blockgen"]["sampler"]
     # what each task really ran with (docs/lm_eval.md: "What the results JSON records")
     tasks = info["blockgen"]["tasks"]
     gen = tasks["blockgen_toy_gen"]["generate_until"]

@@ -62,6 +62,8 @@ def saved_step(out: Path) -> int:
 
 
 def test_kill_dash_nine_then_rerun_matches_uninterrupted_run(tmp_path):
+    """A 2-rank run killed with SIGKILL, then the same command: it resumes and ends bit-identical to an
+    uninterrupted run. Over 30 s (about 25-30 s): three 2-rank torchrun trainings (straight, killed, resumed)."""
     cache = tmp_path / "data-cache"
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(train_command(straight, cache), tmp_path)  # also trains and caches the tokenizer

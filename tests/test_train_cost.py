@@ -62,6 +62,8 @@ def test_report_totals_the_models_and_skips_the_steps_a_checkpoint_has_done(tmp_
     assert "owt-ar: 750,000 steps" in text and "rates: " in text
     cpu = report({n: replace(preset(n), device="cpu") for n in names}, 2, runs, str(path))
     assert "not priced" in cpu and "GPU-hours" not in cpu
+    one = report({names[0]: replace(preset(names[0]), device="cpu")}, 2, runs, str(path))
+    assert one.startswith("training cost: 1 model on cpu")  # not "1 models"
 
 
 def train_cost(*args: str) -> subprocess.CompletedProcess:

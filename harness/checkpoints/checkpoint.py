@@ -95,6 +95,9 @@ def save_checkpoint(
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp / WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; the rest of a checkpoint follows the umask
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     if training_state is not None:

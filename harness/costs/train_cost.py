@@ -78,7 +78,7 @@ def _days(hours: float) -> str:
 def describe(costs: list[RunCost], gpus: int, device: str) -> str:
     """One line per model and a total line: what `make train-*` prints before its first model starts."""
     if not device.startswith("cuda"):
-        return (f"training cost: {len(costs)} models on {device}: not priced (the rates are GPU measurements); "
+        return (f"training cost: {_count(len(costs), 'model')} on {device}: not priced (the rates are GPU measurements); "
                 "each run's progress line shows its own rate and time left")
     lines = []
     for c in costs:
@@ -88,9 +88,13 @@ def describe(costs: list[RunCost], gpus: int, device: str) -> str:
             lines.append(f"  {c.name}: {c.steps:,} steps ({c.tokens:.3g} tokens) -> {_days(c.hours)} on {gpus} GPUs, "
                          f"{c.hours * gpus:,.0f} GPU-hours ({c.how})")
     priced = [c.hours for c in costs if c.hours is not None]
-    total = (f"training cost: {len(costs)} models, {_days(sum(priced))} on {gpus} GPUs one after another, "
+    total = (f"training cost: {_count(len(costs), 'model')}, {_days(sum(priced))} on {gpus} GPUs one after another, "
              f"{sum(priced) * gpus:,.0f} GPU-hours" + (f" ({len(costs) - len(priced)} not priced)" if len(priced) < len(costs) else ""))
     return "\n".join([total, *lines])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def report(configs: dict[str, TrainConfig], gpus: int, runs: str | Path = "runs", rates: str | None = None) -> str:

@@ -117,6 +117,8 @@ def warm_start(model: BlockGen, checkpoint: str | Path, tokenizer) -> None:
     from blockgen.harness.checkpoints.checkpoint import WEIGHTS, CheckpointError, read_config
     from blockgen.harness.checkpoints.release_import import resolve_with_tokenizer
 
+    if not str(checkpoint).startswith("hf:") and not Path(checkpoint).exists():
+        raise CheckpointError(f"init_from={checkpoint}: does not exist")
     checkpoint = resolve_with_tokenizer(checkpoint, tokenizer)
     source = read_config(Path(checkpoint))
     if source.vocab_size != model.config.vocab_size or source.seq_len != model.config.seq_len:

@@ -305,8 +305,12 @@ class BlockGenLM(TemplateLM):
                 "dtype": self.args.dtype,
                 "tf32": self.args.tf32,
                 "batch_invariant": self.batch_invariant,
-                # block size as used (None asks for the largest): rows of tasks without usage still name it
-                "sampler": {**asdict(self.sampler), "block_size": resolve_block_size(cfg, self.sampler),
+                # block size as used (None asks for the largest): rows of tasks without usage still name it.
+                # What ran, once: the seed is `seed` above (every request's draws derive from it), and the
+                # tokens per request are each task's max_gen_toks (`tasks.<task>.generate_until.settings`), so
+                # the setting's own defaults of both are left out.
+                "sampler": {**{k: v for k, v in asdict(self.sampler).items() if k not in ("seed", "max_new_tokens")},
+                            "block_size": resolve_block_size(cfg, self.sampler),
                             "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
                 "batch_size": self._batch_size,  # the size used, also when --batch_size auto chose it
