@@ -187,7 +187,10 @@ def _leaderboard_parser(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--model", nargs="+", default=None, help="only these models")
         p.add_argument("--published", action=argparse.BooleanOptionalAction, default=True, help="include the paper's rows")
     show = sub.choices["show"]
-    show.add_argument("--best", action="store_true", help="the best variant (N_step, GE, warm-up) per NFE only")
+    show.add_argument("--best", action="store_true", help="the best variant (N_step, GE, warm-up) per NFE only, of each "
+                      "task's headline metric (exact_match, gen_ppl, perplexity; --metric picks others)")
+    show.add_argument("--compact", action="store_true", help="the README's table: model, task, metric, sampler, T, NFE, "
+                      "N/GE/W, value, calls/block, tok/s (with --best: one row per setting)")
     show.add_argument("--columns", nargs="+", default=leaderboard.SHOW_COLUMNS, help="columns to print (default: %(default)s)")
     sub.choices["plot"].add_argument("--out-dir", default="runs/plots", help="folder for the PNGs (default: %(default)s)")
     sub.choices["page"].add_argument("--out-dir", default="runs/leaderboard-page", help="folder for index.html and its PNGs (default: %(default)s)")
@@ -235,7 +238,10 @@ def _board_collect(args: argparse.Namespace) -> int:
 
 
 def _board_show(args: argparse.Namespace) -> int:
-    print(leaderboard.show_table(_selected(args), args.columns, args.best))
+    rows = _selected(args)
+    if args.best and args.metric is None:  # as the page does: each task's headline metric
+        rows = leaderboard.headline_rows(rows)
+    print(leaderboard.show_table(rows, args.columns, args.best, args.compact))
     return 0
 
 

@@ -315,3 +315,22 @@ def test_settings_that_differ_only_in_their_budget_make_one_row():
     assert merged["model_calls_per_block"] == 42 / 12
     assert merge_budgets(parts[:1]) == parts[:1]
     assert len(merge_budgets([parts[0], {**parts[1], "temperature": 1.0}])) == 2
+
+
+def test_show_best_on_the_stored_demo_leaderboard_is_one_row_per_setting():
+    """`show --best` keeps each task's headline metric (as the page does), missing values as empty cells, one
+    printed row per setting; `--compact` is the README's table."""
+    board = REPO / "leaderboards" / "embedded_demo.json"
+    rows = lb.read(board).rows
+    shown = cli("leaderboard", "show", board, "--best")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "NaN" not in shown.stdout and "<NA>" not in shown.stdout
+    headline = lb.headline_rows(rows)
+    assert {r.metric for r in headline} < {r.metric for r in rows}  # fewer metrics than stored
+    settings = {(r.model, r.task, r.sampler, r.block_size, r.temperature, r.nfe_per_block) for r in headline}
+    assert len(lines) - 1 == len(settings)  # a header, then one row per setting
+    compact = cli("leaderboard", "show", board, "--best", "--compact").stdout.splitlines()
+    assert compact[0].split() == ["model", "task", "metric", "sampler", "T", "NFE", "N/GE/W", "value", "calls/block", "tok/s"]
+    assert len(compact) == len(lines)
+    assert any("% +-" in line for line in compact[1:])  # accuracy as a percentage with its standard error

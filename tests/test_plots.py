@@ -185,3 +185,35 @@ def test_accuracy_vs_nfe_draws_the_ar_model_at_each_panels_temperature(tmp_path,
         lines, bands = panels[title]
         assert lines == pytest.approx(want), title
         assert bands == 2  # +-1 s.e. of this project's two AR lines; the paper's rows carry none
+
+
+def test_genppl_plot_tells_two_models_of_one_sampler_apart(tmp_path, drawn):
+    """Colour per sampler, marker per model; the temperature labels sit beside their points, not on them."""
+    from blockgen.harness.reports.plots import genppl_vs_entropy
+
+    rows = []
+    for model, ppl in (("owt-masked-mix", 60.0), ("owt-uniform-mix", 90.0)):
+        for t in (0.8, 1.0):
+            common = dict(model=model, task="owt_genppl_embedded", published=False, prior="masked", sampler="arpc", steps=6,
+                          ge=3, warmup=0, block_size=16, nfe_per_block=8, temperature=t, seed=0)
+            rows.append(Row(metric="gen_ppl", value=ppl * t, higher_is_better=False, **common))
+            rows.append(Row(metric="unigram_entropy", value=5.0 + t, higher_is_better=True, **common))
+    (path,) = genppl_vs_entropy(rows, tmp_path)
+    (name, ax), = drawn
+    curves = [line for line in ax.lines if len(line.get_xdata()) == 2]
+    assert len(curves) == 2 and len({line.get_color() for line in curves}) == 1  # one sampler: one colour
+    assert len({line.get_marker() for line in curves}) == 2  # two models: two markers
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"owt-masked-mix arpc NFE 8", "owt-uniform-mix arpc NFE 8"}
+    assert all(text.get_text().startswith("T") and text.xyann != (0, 0) and text.anncoords == "offset points"
+               for text in ax.texts)
+
+
+def test_a_one_row_accuracy_plot_is_readable(tmp_path, drawn):
+    """One setting alone: a y axis of at least MIN_ACCURACY_SPAN points around it, and the model in its legend."""
+    from blockgen.harness.reports.plots import MIN_ACCURACY_SPAN, accuracy_vs_nfe
+
+    (path,) = accuracy_vs_nfe([gen_row("arpc", 4, 1.0, 0.42, None)], tmp_path)
+    (name, ax), = drawn
+    low, high = ax.get_ylim()
+    assert high - low >= MIN_ACCURACY_SPAN - 1e-9 and low <= 42 <= high and low >= 0
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"{MODEL} arpc masked"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import re
 import tempfile
@@ -450,17 +451,57 @@ def best_per_nfe(df):
 
 SHOW_COLUMNS = ["model", "task", "metric", "sampler", "steps", "ge", "warmup", "temperature", "nfe_per_block",
                 "model_calls_per_block", "value", "stderr", "n", "published"]
+# The README's compact table: header -> how a row fills it.
+COMPACT_COLUMNS = {
+    "model": lambda r: r.model, "task": lambda r: r.task, "metric": lambda r: r.metric, "sampler": lambda r: r.sampler or "",
+    "T": lambda r: "" if r.temperature is None else f"{r.temperature:g}",
+    "NFE": lambda r: "" if r.nfe_per_block is None else str(r.nfe_per_block),
+    "N/GE/W": lambda r: "" if r.steps is None else f"{r.steps}/{r.ge or 0}/{r.warmup or 0}",
+    "value": lambda r: _value_text(r),
+    "calls/block": lambda r: "" if r.model_calls_per_block is None else f"{r.model_calls_per_block:.2f}",
+    "tok/s": lambda r: "" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
+}
+# The metric a task's table leads with (as the leaderboard page does); a task with none of these leads
+# with its first metric.
+HEADLINE_METRICS = ("exact_match", "gen_ppl", "perplexity")
 
 
-def show_table(rows: Iterable[Row], columns: Sequence[str] = SHOW_COLUMNS, best: bool = False) -> str:
-    """The rows as `blockgen leaderboard show` prints them; `best`: the best variant per NFE only."""
+def _value_text(row: Row) -> str:
+    percent = row.metric.startswith(("exact_match", "acc"))
+    value = f"{100 * row.value:.1f}%" if percent else f"{row.value:.4g}"
+    return value + (f" +-{100 * row.stderr if percent else row.stderr:.2g}" if row.stderr is not None and math.isfinite(row.stderr) else "")
+
+
+def headline_rows(rows: Iterable[Row]) -> list[Row]:
+    """Each task's rows of its headline metric (`HEADLINE_METRICS`, else the task's first metric)."""
+    rows = list(rows)
+    by_task: dict[str, list[str]] = {}
+    for r in rows:
+        by_task.setdefault(r.task, [])
+        if r.metric not in by_task[r.task]:
+            by_task[r.task].append(r.metric)
+    lead = {task: next((m for m in HEADLINE_METRICS if m in metrics), metrics[0]) for task, metrics in by_task.items()}
+    return [r for r in rows if r.metric == lead[r.task]]
+
+
+def show_table(rows: Iterable[Row], columns: Sequence[str] = SHOW_COLUMNS, best: bool = False, compact: bool = False) -> str:
+    """The rows as `blockgen leaderboard show` prints them, missing values as empty cells; `best`: the best
+    variant per NFE only; `compact`: the README's table (COMPACT_COLUMNS)."""
     import pandas as pd
 
     unknown = sorted(set(columns) - set(_HINTS))
     if unknown:
         raise LeaderboardError(f"unknown column(s) {unknown}; valid: {sorted(_HINTS)}")
+    rows = list(rows)
     df = table(rows)
     if best:
         df = best_per_nfe(df)
+    if df.empty:
+        return "(no rows)"
+    if compact:
+        kept = [rows[i] for i in df.index]
+        df = pd.DataFrame([{name: cell(r) for name, cell in COMPACT_COLUMNS.items()} for r in kept])
+        columns = list(COMPACT_COLUMNS)
     with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 40):
-        return df[list(columns)].to_string(index=False) if not df.empty else "(no rows)"
+        shown = df[list(columns)].astype(object)
+        return shown.where(shown.notna(), "").to_string(index=False)  # a missing value is an empty cell

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
-from blockgen.harness.reports.leaderboard import Row
+from blockgen.harness.reports.leaderboard import HEADLINE_METRICS, Row
 
 TEMPLATE = "templates/leaderboard.html"
 DATA_PLACEHOLDER = "{{LEADERBOARD_DATA}}"
@@ -33,9 +33,8 @@ PAGE_FIELDS = ("model", "task", "metric", "filter", "value", "stderr", "n", "hig
                "model_calls_per_block", "train_steps")
 
 
-# The metric a task's table leads with (others are one click away in the metric selector), and the
-# metrics folded beside it in the same row: a prefix ends with "_".
-HEADLINE = ("exact_match", "gen_ppl", "perplexity")
+# The metrics folded beside a task's headline metric (leaderboard.HEADLINE_METRICS; others are one click away in
+# the metric selector) in the same row: a prefix ends with "_".
 FOLDED = {"exact_match": ("outcome_",), "gen_ppl": ("unigram_entropy", "mauve")}
 
 
@@ -69,7 +68,7 @@ def page_data(rows: Iterable[Row], plots: Iterable[str], sources: Iterable[str])
         "generated": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "sources": [str(s) for s in sources],
         "plots": [str(p) for p in plots],
-        "headline": list(HEADLINE),
+        "headline": list(HEADLINE_METRICS),
         "folded": {k: list(v) for k, v in FOLDED.items()},
         "paired": paired(rows),
         "rows": [{k: v for k, v in asdict(r).items() if k in PAGE_FIELDS and v is not None} for r in rows],

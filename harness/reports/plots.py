@@ -24,6 +24,8 @@ ACCURACY_METRICS = ("exact_match",)
 GENPPL_METRICS = ("gen_ppl",)  # generative perplexity under the scorer model
 ENTROPY_METRICS = ("unigram_entropy",)  # mean per-sample unigram entropy
 AR_SAMPLERS = ("ar_greedy", "ar_sample")
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X")  # Gen PPL plot: one per model, in name order
+MIN_ACCURACY_SPAN = 10.0  # accuracy plot: the y axis spans at least this many points
 COLORS = {"ancestral": "tab:blue", "eipc": "tab:green", "arpc": "tab:red", "ar_greedy": "black", "ar_sample": "tab:gray"}
 
 
@@ -60,14 +62,14 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(temps), figsize=(max(5.2 * len(temps), 7.5), 4.2), squeeze=False, sharey=True)
         for ax, temp in zip(axes[0], temps):
             panel = group[group.temperature == temp] if temp is not None else group
-            for (published, sampler, prior), line in panel.groupby(["published", "sampler", "prior"], dropna=False):
+            for (published, model, sampler, prior), line in panel.groupby(["published", "model", "sampler", "prior"], dropna=False):
                 line = line.sort_values("nfe_per_block")
                 # +- one standard error (the paper's rows carry none)
                 ax.errorbar(line.nfe_per_block, 100 * line.value, yerr=100 * line.stderr.astype(float).fillna(0.0),
                             marker="o", color=COLORS.get(sampler, "tab:purple"), capsize=2, elinewidth=0.8,
                             linestyle="-" if prior == "masked" else "--", linewidth=1 if published else 2,
                             alpha=0.45 if published else 1.0, markersize=3 if published else 5,
-                            label=f"{sampler} {prior}" + (" (paper)" if published else ""))
+                            label=f"{model} {sampler} {prior}" + (" (paper)" if published else ""))
             # at the panel's temperature; greedy reads none, and the paper states none for its AR rows
             same_t = (ar.sampler == "ar_greedy") | ar.temperature.isna() | (temp is None) | (ar.temperature == temp)
             for (published, model, sampler), line in ar[(ar.task == task) & same_t].groupby(["published", "model", "sampler"]):
@@ -81,6 +83,10 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
             ax.set_xlabel("NFE per block (paper's label)")
             ax.set_title(f"T = {temp:g}" if temp is not None else "")
             ax.margins(y=0.15)  # scaled to the data: a few points apart must look apart, not flat at 0-65 %
+            low, high = ax.get_ylim()
+            if high - low < MIN_ACCURACY_SPAN:  # one point (or equal ones): a readable span around it, within 0-100 %
+                middle = min(max((low + high) / 2, MIN_ACCURACY_SPAN / 2), 100 - MIN_ACCURACY_SPAN / 2)
+                ax.set_ylim(middle - MIN_ACCURACY_SPAN / 2, middle + MIN_ACCURACY_SPAN / 2)
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(f"{task} accuracy (%)")
         axes[0][-1].legend(fontsize=7, loc="lower right")
@@ -102,14 +108,17 @@ def genppl_vs_entropy(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
     for task, group in both.groupby("task"):
         fig, ax = plt.subplots(figsize=(6.4, 4.6))
         curve_keys = ["published", "model", "sampler", "steps", "ge", "warmup", "nfe_per_block"]
+        # colour: the sampler; marker: the model, so two models' curves of one sampler stay apart
+        marker_of = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(sorted(group.model.unique()))}
         for key, curve in group.groupby(curve_keys, dropna=False):
             published, model, sampler, steps, ge, warmup, nfe = key
             curve = curve.sort_values("temperature")
             label = f"{model} {sampler}" + ("" if sampler in AR_SAMPLERS else f" NFE {nfe}") + (" (paper)" if published else "")
-            ax.plot(curve.entropy, curve.value, marker="o", color=COLORS.get(sampler, "tab:purple"),
+            ax.plot(curve.entropy, curve.value, marker=marker_of[model], color=COLORS.get(sampler, "tab:purple"),
                     alpha=0.45 if published else 1.0, label=label)
-            for _, point in curve.iterrows():
-                ax.annotate(f"T{point.temperature:g}", (point.entropy, point.value), fontsize=6, alpha=0.7)
+            for _, point in curve.iterrows():  # beside the point, not on it
+                ax.annotate(f"T{point.temperature:g}", (point.entropy, point.value), xytext=(5, 4),
+                            textcoords="offset points", fontsize=6, alpha=0.7)
         ax.set_yscale("log")
         ax.set_xlabel("unigram entropy (nats, mean per sample)")
         ax.set_ylabel("generative perplexity")
