@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="subcommand", required=True)
     train_p = sub.add_parser("train", help="train (or resume) one model")
-    train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
+    train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS), metavar="NAME",
+                         help="the training recipe to start from (default: %(default)s; `blockgen presets` lists them)")
     add_dataclass_options(train_p, TrainConfig)
     demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU, sweep the samplers")
     demo_p.add_argument("--out-dir", default=DemoConfig.out_dir)
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_options(scorer_p, ScorerTrainConfig)
     sample.build_parser(_mounted(sub, "sample", "sample from a checkpoint", sample.__doc__))
     prep_p = sub.add_parser("prepare-data", help="tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)")
-    prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS))
+    prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS), metavar="NAME",
+                         help="the training recipe to start from (default: %(default)s; `blockgen presets` lists them)")
     add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
     cost_p = sub.add_parser("train-cost", help="what training the given presets will cost on GPUs (measured rates), "
                             "before it starts: per model and in all, GPU-hours")

@@ -142,7 +142,7 @@ def test_sample_on_a_device_it_cannot_use_gives_the_device_policys_message(tmp_p
             resolve_device(device)
         r = subprocess.run([str(BLOCKGEN), "sample", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "", "--device", device],
                            capture_output=True, text=True, timeout=HANG_S)
-        assert r.returncode == 2 and r.stderr.strip() == f"error: {policy.value}", r.stderr[-2000:]
+        assert r.returncode == 2 and r.stderr.strip() == f"blockgen sample: error: {policy.value}", r.stderr[-2000:]
 
 
 def test_presets_is_a_table_and_json_on_request():
@@ -160,3 +160,10 @@ def test_presets_is_a_table_and_json_on_request():
     dumped = subprocess.run([str(BLOCKGEN), "presets", "--json"], capture_output=True, text=True, timeout=HANG_S)
     assert dumped.returncode == 0
     assert json.loads(dumped.stdout) == json.loads(json.dumps({name: c.to_dict() for name, c in PRESETS.items()}))
+
+
+def test_a_bad_preset_lists_the_presets_once():
+    """The usage line says NAME; the error names the valid presets once (it printed all of them twice)."""
+    r = subprocess.run([str(BLOCKGEN), "train", "--preset", "nope"], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 2 and "[--preset NAME]" in r.stderr
+    assert r.stderr.count("'owt-masked-mix'") == 1 and "invalid choice: 'nope'" in r.stderr.splitlines()[-1]

@@ -101,7 +101,16 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["paper_nfe_per_block"] == 4 and rows[0]["sampler"]["name"] == "arpc"
     assert all(len(r["tokens"]) <= 16 and special.eos not in r["tokens"] for r in rows)
-    assert "model calls per block" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "model calls per block" in printed
+    assert "prompt: three apples\nanswer: " in printed  # the prompt and its answer apart, not glued together
+    # a training run's folder: refused as lm-eval's pretrained= refuses it, naming the checkpoint inside
+    run_folder = tmp_path / "run"
+    (run_folder / "checkpoint").mkdir(parents=True)
+    (run_folder / "checkpoint" / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
+    assert main(["sample", "--checkpoint", str(run_folder), "--prompt", "x"]) == 2
+    assert f"blockgen sample: error: --checkpoint {run_folder} is a training run's folder; its checkpoint is " \
+           f"--checkpoint {run_folder / 'checkpoint'}" in capsys.readouterr().err
     # Sample j is seeded --seed + j: the same samples at any --batch-size, and with either layout flag.
     one = tmp_path / "one.jsonl"
     assert main(argv[:-4] + ["--batch-size", "1", "--out", str(one), "--quiet", "--layout", "grid"]) == 0

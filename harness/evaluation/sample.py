@@ -1,6 +1,6 @@
 """Sample from a checkpoint on the command line.
 
-    blockgen sample --checkpoint runs/masked-mix --prompt "Tom has 3 apples." --sep \\
+    blockgen sample --checkpoint runs/masked-mix/checkpoint --prompt "Tom has 3 apples." --sep \\
         --sampler arpc --steps 12 --ge 3 --temperature 0.1 --max-new-tokens 128
     blockgen sample --checkpoint DIR --prompt "Tom has 3 apples." --sep --sampler arpc --nfe 4   # the paper's variant
     blockgen sample --checkpoint DIR --prompt "" --num-samples 8 --out samples.jsonl
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
-from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_setting
+from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_setting
 from blockgen.harness.evaluation.sampler_grid import settings_at
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
 from blockgen.models.sampling import check_config, generate, max_prompt_len
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts_file:
         texts += args.prompts_file.read_text().splitlines()
     if not texts:
-        print("error: give --prompt (repeatable; '' for unconditional) or --prompts-file", file=sys.stderr)
+        print("blockgen sample: error: give --prompt (repeatable; '' for unconditional) or --prompts-file", file=sys.stderr)
         return 2
     try:
         from blockgen.harness.checkpoints.release_import import resolve
@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
         settings_at(args.sampler, args.nfe, args.steps, args.ge, args.warmup)  # a bad --nfe: its message, before any loading
         device = resolve_device(args.device)  # a device this machine lacks: the policy's message, before any loading
+        if not str(args.checkpoint).startswith("hf:"):
+            check_checkpoint_dir(args.checkpoint, "--checkpoint ")
         checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
         model, tokenizer = load_checkpoint(checkpoint, device=device)
         # the same rule as lm-eval's --model_args (steps default to the block size, nfe picks the variant)
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout)
         check_config(model, config)
     except (ValueError, CheckpointError, HubUnavailableError) as err:  # releases' errors are CheckpointErrors
-        print(f"error: {err}", file=sys.stderr)
+        print(f"blockgen sample: error: {err}", file=sys.stderr)
         return 2
     special = checkpoint_special_tokens(model, tokenizer)
 
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         ids = ([] if args.no_bos else [special.bos]) + tokenizer.encode(text, add_special_tokens=False)
         ids += list(special.sep) if args.sep else []
         if len(ids) > limit:
-            print(f"warning: prompt {j} has {len(ids)} tokens; keeping the last {limit}", file=sys.stderr)
+            print(f"blockgen sample: warning: prompt {j} has {len(ids)} tokens; keeping the last {limit}", file=sys.stderr)
             ids = ids[len(ids) - limit :]
         jobs += [(j, ids)] * args.num_samples
 
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         for i, r in enumerate(records):
             print(f"=== sample {i} (prompt {r['prompt_index']}, {r['finish_reason']}, {len(r['tokens'])} tokens) ===")
-            print(r["prompt"] + r["completion"])
+            print(f"prompt: {r['prompt']}\nanswer: {r['completion']}")
         r = records[-1]
         print(f"# sampler {config.name}: {r['model_calls_per_block']:g} model calls per block "
               f"(paper NFE label {r['paper_nfe_per_block']}), block size {r['block_size']}")

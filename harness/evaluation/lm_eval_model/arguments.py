@@ -254,13 +254,15 @@ def largest_budget(config: BlockGenConfig, sampler: SamplerConfig) -> int:
     return 0
 
 
-def check_checkpoint_dir(path: str) -> None:
+def check_checkpoint_dir(path: str, flag: str = "pretrained=") -> None:
+    """A checkpoint folder, not a training run's folder (lm-eval's pretrained=, blockgen sample's --checkpoint ):
+    one rule for both, the message naming the flag the user gave."""
     directory = Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"pretrained={path}: checkpoint directory does not exist")
+        raise CheckpointError(f"{flag}{path}: checkpoint directory does not exist")
     if not (directory / CONFIG).is_file() and (directory / "checkpoint" / CONFIG).is_file():
-        raise CheckpointError(f"pretrained={path} is a training run's folder; its checkpoint is "
-                              f"pretrained={directory / 'checkpoint'}")
+        raise CheckpointError(f"{flag}{path} is a training run's folder; its checkpoint is "
+                              f"{flag}{directory / 'checkpoint'}")
 
 
 _warned: set[str] = set()
