@@ -157,7 +157,8 @@ SHARDS ?= 1
 
 # A grid's models (MODELS_OWT, MODELS_GSM, MODELS_*_RELEASED), asked of `blockgen sweep GRID --list-models`:
 # the grid in harness/evaluation/grids.py is their one home. Asked once per make run, when first used.
-grid_models = $(or $(GRID_MODELS_$(1)),$(eval GRID_MODELS_$(1) := $(shell $(PY) -m blockgen.harness.cli sweep $(1) --list-models))$(GRID_MODELS_$(1)))
+# An empty answer (no .venv yet, a broken install) stops make with the command to run, not an argparse error later.
+grid_models = $(or $(GRID_MODELS_$(1)),$(eval GRID_MODELS_$(1) := $(shell $(PY) -m blockgen.harness.cli sweep $(1) --list-models))$(GRID_MODELS_$(1)),$(error the grid's models are unknown: `$(PY) -m blockgen.harness.cli sweep $(1) --list-models` printed none (its error is above; no $(PY)? run make setup first)))
 
 ifeq ($(OFFLINE),1)
 SCALE := -embedded

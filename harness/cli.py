@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU, sweep the samplers")
     demo_p.add_argument("--out-dir", default=DemoConfig.out_dir)
     demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
-    demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS))
+    demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS), metavar="NAME",
+                        help="the presets to train and sweep (default: %(default)s)")
     demo_p.add_argument("--problems", type=int, default=DemoConfig.problems, help="held-out test problems per evaluation")
     demo_p.add_argument("--jobs", type=int, default=DemoConfig.jobs, help="worker processes, one thread each (0: one per usable core)")
     demo_p.add_argument("--temperatures", type=float, nargs="+", default=list(DemoConfig.temperatures),
@@ -129,14 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
     cost_p = sub.add_parser("train-cost", help="what training the given presets will cost on GPUs (measured rates), "
                             "before it starts: per model and in all, GPU-hours")
-    cost_p.add_argument("--presets", nargs="+", required=True, choices=sorted(PRESETS), help="the runs, in order")
+    cost_p.add_argument("--presets", nargs="+", required=True, choices=sorted(PRESETS), metavar="NAME",
+                        help="the runs, in order (`blockgen presets` lists them)")
     cost_p.add_argument("--gpus", type=int, required=True, help="GPUs of each run: nodes x GPUs per node")
     cost_p.add_argument("--runs", default="runs", help="runs folder: RUNS/<preset>/checkpoint's steps are done; "
                         "RUNS/gpu-check/rates.json prices the runs when it was measured on the GPU")
     cost_p.add_argument("--rates", default=None, help="a rates file (default: gpu-check's, else the stored H100 figures)")
     add_dataclass_options(cost_p, TrainConfig)  # the training flags (--max-steps, --batch-size, ...) apply to every preset
     hub_p = sub.add_parser("hub-check", help="exit 1 with a message unless the hub serves the given datasets and models")
-    hub_p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS),
+    hub_p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS), metavar="NAME",
                        help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
     hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
     hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
@@ -146,13 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     release_catalogue.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
                                    "The paper's released checkpoints. A grid's cost on them: `blockgen sweep released-owt --dry-run`."))
     sweep.build_parser(_mounted(sub, "sweep", "a benchmark's sampler x NFE x temperature grid, one model load per checkpoint",
-                                sweep.__doc__))
+                                sweep.COMMAND_HELP))
     _leaderboard_parser(_mounted(sub, "leaderboard", "leaderboard JSON: add lm-eval results, show a table, plot, HTML page, "
                                  "compare two settings, check against a reference", leaderboard.__doc__))
     regression.build_parser(_mounted(sub, "regression", "CI regression: compare a rerun with a stored reference (a leaderboard "
                                      "with tolerances, or gsm8k_code's per-problem outcomes), or rewrite it", regression.__doc__))
     vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
-                                      "owt_genppl's scorer server (harness/evaluation/vllm_server.py)."))
+                                      "owt_genppl's scorer server: `blockgen scorers check-vllm` says which vLLM build "
+                                      "the server would use and whether it can serve the device asked for."))
     sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
                                        sampler_grid.__doc__))
     return parser

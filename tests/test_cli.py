@@ -101,7 +101,7 @@ def test_no_module_is_a_program_of_its_own():
 
 def test_mounted_subcommands_run_their_modules(tmp_path):
     code, out, _ = run(["variants", "arpc", "--nfe", "4", "8"])
-    assert code == 0 and out == "3:2:1 6:3:0\n"
+    assert code == 0 and out == "NFE 4: 3:2:1\nNFE 8: 6:3:0\n"  # each variant under the NFE it belongs to
     code, _, err = run(["variants", "arpc", "--nfe", "5"])
     assert code == 2 and "no arpc variant at NFE 5" in err
     code, out, _ = run(["released", "names"])
@@ -127,7 +127,7 @@ def test_installed_command_and_torchrun_module_are_the_same_program():
     script = subprocess.run([str(BLOCKGEN), "variants", "eipc", "--nfe", "4"], capture_output=True, text=True, timeout=HANG_S)
     module = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "variants", "eipc", "--nfe", "4"],
                             capture_output=True, text=True, timeout=HANG_S)
-    assert script.returncode == module.returncode == 0 and script.stdout == module.stdout == "4:2:0\n"
+    assert script.returncode == module.returncode == 0 and script.stdout == module.stdout == "NFE 4: 4:2:0\n"
 
 
 def test_sample_on_a_device_it_cannot_use_gives_the_device_policys_message(tmp_path):
@@ -167,3 +167,13 @@ def test_a_bad_preset_lists_the_presets_once():
     r = subprocess.run([str(BLOCKGEN), "train", "--preset", "nope"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and "[--preset NAME]" in r.stderr
     assert r.stderr.count("'owt-masked-mix'") == 1 and "invalid choice: 'nope'" in r.stderr.splitlines()[-1]
+
+
+def test_help_speaks_of_what_the_user_controls():
+    """No subcommand's --help points at the project's modules or internals (they are for developers)."""
+    for name in sorted(cli.RUNNERS):
+        out = io.StringIO()
+        with redirect_stdout(out), pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        text = out.getvalue()
+        assert not any(word in text for word in ("decided_on_rank0", "harness/", "this module")), (name, text[:3000])

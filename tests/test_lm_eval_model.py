@@ -495,3 +495,27 @@ def test_usage_stored_by_an_earlier_version_still_loads(former, tmp_path, monkey
         loaded = db["key"]
     assert type(loaded) is Usage
     assert Usage.merge([loaded]).report()["toy"]["loglikelihood"]["requests"] == 3
+
+
+def test_compile_on_a_cpu_says_so_before_the_silent_minutes(ckpts, monkeypatch, caplog):
+    """compile=true on a CPU: a warning before the first batch compiles (minutes of no output)."""
+    import logging
+
+    from lm_eval.api.instance import Instance
+
+    from blockgen.harness.evaluation.lm_eval_model import arguments, model as adapter
+
+    class Compiling(Exception):
+        pass
+
+    def generate(*args, compile=False, **kwargs):
+        raise Compiling(compile)
+
+    monkeypatch.setattr(adapter, "generate", generate)  # stop where the compiling would start
+    arguments._warned.clear()
+    lm = _lm(ckpts["mixture"], compile=True)
+    reqs = [Instance(request_type="generate_until", doc={}, arguments=("", {"max_gen_toks": 8}), idx=0,
+                     metadata=("toy_uncond", 0, 1))]
+    with caplog.at_level(logging.WARNING), pytest.raises(Compiling, match="True"):
+        lm.generate_until(reqs)
+    assert "compile=true on the CPU: the first batch compiles each kind of model call" in caplog.text

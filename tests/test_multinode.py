@@ -106,3 +106,11 @@ def test_two_nodes_without_a_shared_run_directory_stop_at_start(tmp_path):
     assert (tmp_path / "node0" / "run" / ".run-token").is_file()
     assert not (tmp_path / "node1" / "run").exists()  # the second node's disk: nothing trained there
     assert not (tmp_path / "node0" / "run" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+def test_make_names_the_cause_when_the_grid_query_fails():
+    """The Makefile asks the grid for its models; when that prints nothing, make stops with the command to run."""
+    done = subprocess.run(["make", "-n", "train-owt", "OFFLINE=1", "PY=/nonexistent/python"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 2 and "the grid's models are unknown" in done.stderr and "run make setup first" in done.stderr
+    assert "expected at least one argument" not in done.stderr

@@ -74,5 +74,5 @@ def test_makefile_and_demo_read_the_grid(capsys):
     for nfe, variants in DIFFUSION_VARIANTS.items():
         assert variants == tuple(pick(s, nfe) for s in ("ancestral", "eipc", "arpc"))
     # what the Makefile reads: steps:ge:warmup, the default of each NFE
-    assert cli.main(["variants", "arpc", "--nfe", "4", "8"]) == 0 and capsys.readouterr().out == "3:2:1 6:3:0\n"
-    assert cli.main(["variants", "eipc", "--nfe", "4", "--all", "--steps-only"]) == 0 and capsys.readouterr().out == "4 4\n"
+    assert cli.main(["variants", "arpc", "--nfe", "4", "8"]) == 0 and capsys.readouterr().out == "NFE 4: 3:2:1\nNFE 8: 6:3:0\n"
+    assert cli.main(["variants", "eipc", "--nfe", "4", "--all", "--steps-only"]) == 0 and capsys.readouterr().out == "NFE 4: 4 4\n"

@@ -149,3 +149,20 @@ def test_temperature_divides_the_logits(masked):
     assert cold.tokens == greedy
     warm = generate(masked, prompts, SamplerConfig("ar_sample", temperature=1.0, max_new_tokens=12, seed=5), eos_id=-1, pad_id=0)
     assert warm.tokens != greedy
+
+
+def test_nfe_on_another_block_size_says_which_variant_it_took(caplog):
+    """nfe=N picks the paper's variant for block size 16; on a model that generates with another, it says so."""
+    import logging
+
+    from blockgen.harness.evaluation.lm_eval_model import arguments
+    from blockgen.harness.evaluation.sampler_grid import settings_at
+
+    config = BlockGenConfig(vocab_size=64, seq_len=64, block_sizes=(1, 4), block_weights=(0.5, 0.5),
+                            shape=ModelShape(n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0))
+    arguments._warned.clear()
+    with caplog.at_level(logging.WARNING):
+        sampler = arguments.sampler_setting(config, "arpc", nfe=4)
+    assert (sampler.steps, sampler.ge, sampler.warmup) == settings_at("arpc", 4)
+    assert "nfe=4: the paper's arpc variant for block size 16 (steps 3, ge 2, warmup 1); this model generates with block size 4" \
+        in caplog.text

@@ -64,6 +64,8 @@ def test_report_totals_the_models_and_skips_the_steps_a_checkpoint_has_done(tmp_
     assert "not priced" in cpu and "GPU-hours" not in cpu
     one = report({names[0]: replace(preset(names[0]), device="cpu")}, 2, runs, str(path))
     assert one.startswith("training cost: 1 model on cpu")  # not "1 models"
+    # the embedded CPU presets on device auto are not priced at a GPU's rate either
+    assert report({"ci": preset("ci")}, 1, runs, str(path)).startswith("training cost: 1 model on cpu: not priced")
 
 
 def train_cost(*args: str) -> subprocess.CompletedProcess:

@@ -93,6 +93,9 @@ def describe(costs: list[RunCost], gpus: int, device: str) -> str:
     return "\n".join([total, *lines])
 
 
+CPU_SIZES = ("micro", "tiny")  # the embedded presets' sizes, made to train on a CPU
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -105,7 +108,8 @@ def report(configs: dict[str, TrainConfig], gpus: int, runs: str | Path = "runs"
         raise ValueError(f"gpus={gpus}; give the GPUs of each run (nodes x GPUs per node), at least 1")
     source = rate_source(rates, gpu_check_rates(runs))
     costs = [run_cost(name, config, gpus, source, checkpoint_step(Path(runs) / name / "checkpoint")) for name, config in configs.items()]
-    devices = {config.device for config in configs.values()}
-    device = "cpu" if devices == {"cpu"} else "cuda"
+    # CPU runs, or the embedded CPU presets (micro, tiny) left on device auto: a GPU's rate would price nothing real
+    on_cpu = all(c.device == "cpu" or (c.device == "auto" and c.size in CPU_SIZES) for c in configs.values())
+    device = "cpu" if on_cpu else "cuda"
     text = describe(costs, gpus, device)
     return text + (f"\n  rates: {source.describe()}" if device == "cuda" else "")

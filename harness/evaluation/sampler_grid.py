@@ -8,7 +8,7 @@ tests check every entry against it). Where the paper lists several variants at o
 is the one ``nfe=N`` picks unless ``ge``/``warmup``/``steps`` say otherwise (the demo's choice:
 GE 2-4, no warm-up, except ARPC (3, 2, 1) at NFE 4).
 
-    blockgen variants arpc --nfe 4 8          # defaults: 3:2:1 6:3:0
+    blockgen variants arpc --nfe 4 8          # defaults: NFE 4: 3:2:1, NFE 8: 6:3:0
     blockgen variants eipc --all              # every EIPC variant, steps:ge:warmup
 
 This module imports nothing heavy (no torch).
@@ -22,6 +22,7 @@ import sys
 from blockgen.models.sampler_config import SamplerConfig
 
 NFES = (4, 8, 16, 32, 64)
+PAPER_BLOCK_SIZE = 16  # the block size the paper's variants were chosen for (L' = 16)
 
 
 def _variants(name: str, *settings: tuple[int, int, int]) -> tuple[SamplerConfig, ...]:
@@ -94,10 +95,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        chosen = [v for n in args.nfe for v in (variants(args.sampler, n) if args.all else (pick(args.sampler, n),))]
+    try:  # one line per NFE per block: the variants that carry that label
+        chosen = {n: variants(args.sampler, n) if args.all else (pick(args.sampler, n),) for n in args.nfe}
     except ValueError as err:
         print(f"blockgen variants: error: {err}", file=sys.stderr)
         return 2
-    print(" ".join(str(v.steps) if args.steps_only else spec(v) for v in chosen))
+    for n, found in chosen.items():
+        print(f"NFE {n}: " + " ".join(str(v.steps) if args.steps_only else spec(v) for v in found))
     return 0

@@ -62,6 +62,23 @@ from blockgen.harness.runtime.distributed import decided_on_rank0, ranks_from_en
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
 from blockgen.harness.training.presets import PRESETS
 
+# What `blockgen sweep --help` says: what the user controls (the module's docstring above is for developers).
+COMMAND_HELP = """Evaluate models over a grid of sampler settings (sampler x NFE x temperature) with lm-eval, each model
+loaded once. `blockgen sweep GRID --dry-run` lists a grid's models, settings and estimated cost and runs nothing.
+
+    blockgen sweep gsm8k --dry-run                        # one line per setting and its price
+    blockgen sweep owt-embedded --runs runs/ci-pipeline --limit 8 --metadata '{"scorer_model": "runs/ci-pipeline/scorer-text"}'
+    torchrun --nproc_per_node=8 -m blockgen.harness.cli sweep owt --runs runs --device cuda
+    blockgen sweep owt --runs runs --device cuda --shard 3/8 --keep-going   # job 3 of 8 independent jobs
+
+Each setting writes lm-eval's results and per-sample logs under <out-dir>/<model>/<setting>/, the same numbers a
+separate `lm_eval` run of that setting gives. A rerun skips the settings already done with the same checkpoint,
+limit, task options and seed (--seed S seeds as `lm_eval --seed S` does), and retries failed ones. Under torchrun
+the settings run data parallel (the ranks need no shared file system). --shard I/N runs job I of N independent
+jobs, split by estimated cost; `blockgen leaderboard collect ROOT...` joins their results into one leaderboard.
+--keep-going: a failed setting leaves error.json in its folder, the sweep goes on and exits 1 at the end.
+"""
+
 
 @dataclass
 class SweepConfig:

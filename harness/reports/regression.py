@@ -3,10 +3,10 @@
 One command, `blockgen regression check|update`; the reference decides the comparison:
 
 - a leaderboard reference (a .json file, `leaderboards/ci_regression.json`): a leaderboard whose rows
-  carry a `tolerance`, against which a rerun's leaderboard is compared row by row (this module);
+  carry a `tolerance`, against which a rerun's leaderboard is compared row by row;
 - an outcomes store (a folder, `leaderboards/ci_gsm8k/`: a checkpoint and `outcomes.json` of schema
   `blockgen-outcomes`): its settings are rerun and every problem's outcome is paired with the stored
-  one (harness/reports/outcomes.py).
+  one.
 
     blockgen regression check --against leaderboards/ci_regression.json runs/ci-pipeline/leaderboard-owt-embedded.json
     blockgen regression update --to leaderboards/ci_regression.json NEW.json [RUN2.json ...]

@@ -145,10 +145,14 @@ def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None
     variant, narrowed by any steps/ge/warmup given; otherwise steps default to the block size (one
     token per reverse step on average), ge to 1, warmup to 0, the temperature to 1 and the budget to
     min(256, seq_len // 2)."""
-    from blockgen.harness.evaluation.sampler_grid import settings_at
+    from blockgen.harness.evaluation.sampler_grid import PAPER_BLOCK_SIZE, settings_at
 
     steps, ge, warmup = settings_at(name, nfe, steps, ge, warmup)
-    steps = steps or resolve_block_size(config, SamplerConfig(name=name, block_size=block_size))
+    used = resolve_block_size(config, SamplerConfig(name=name, block_size=block_size))
+    if nfe is not None and used != PAPER_BLOCK_SIZE and not name.startswith("ar_"):
+        warn_once(f"nfe={nfe}: the paper's {name} variant for block size {PAPER_BLOCK_SIZE} (steps {steps}, ge {ge}, "
+                  f"warmup {warmup}); this model generates with block size {used}")
+    steps = steps or used
     return SamplerConfig(name=name, steps=steps, ge=1 if ge is None else ge, warmup=warmup or 0,
                          temperature=1.0 if temperature is None else temperature, block_size=block_size,
                          max_new_tokens=max_new_tokens or min(256, config.seq_len // 2), seed=seed, layout=layout)

@@ -55,6 +55,7 @@ from blockgen.harness.evaluation.lm_eval_model.arguments import (
     default_sampler,
     gen_kwargs_sampler,
     requested_device,
+    warn_once,
 )
 from blockgen.harness.evaluation.lm_eval_model.mc_error import RequestScore
 from blockgen.harness.evaluation.lm_eval_model.scoring import Window, WindowScore, derive_seed, score_windows, windows
@@ -500,6 +501,9 @@ class BlockGenLM(TemplateLM):
                             group_fn=lambda item: _batch_key(item[1]), group_by="gen_kwargs")
         out: list[str] = []
         bar = tqdm(total=len(requests), desc="blockgen generate_until", disable=disable_tqdm or self.rank != 0)
+        if self.args.compile and self._device.type == "cpu":
+            warn_once("compile=true on the CPU: the first batch compiles each kind of model call with inductor, minutes "
+                      "in which nothing is printed; it pays only over many calls")
         for batch in collator.get_batched(n=self.gen_batch_size):
             batch_plans = [plan for _, plan in batch]
             budgets = [p.sampler.max_new_tokens for p in batch_plans]
