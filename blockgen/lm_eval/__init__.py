@@ -34,7 +34,7 @@ def register_model(registry) -> None:
 
 
 def _ours(filename: str) -> bool:
-    """A frame of this project's code (blockgen.harness, .models, .tasks, .lm_eval), wherever installed."""
+    """A frame of this project's code (blockgen.harness, .models, .tasks), wherever installed."""
     import blockgen.harness
     import blockgen.models
     import blockgen.tasks

@@ -126,7 +126,7 @@ def key_lists() -> tuple[str, ...]:
     return tuple(path for path in _KEY_LISTS if os.path.exists(path))
 
 
-def _mount_args(cfg: SandboxConfig, root: _Root, empty_fds: Sequence[int] = ()) -> list[str]:
+def _mount_args(cfg: SandboxConfig, root: _Root, empty_fds: Sequence[int]) -> list[str]:
     """The sandbox's file system, in the order bwrap builds it: /proc, /dev and the private tmpfs
     first, then the interpreter's binds (so an interpreter under /tmp or /dev/shm is bound on top
     of the private tmpfs, not hidden by it), then the scratch directory. bwrap makes missing
