@@ -47,6 +47,14 @@ ATOL = 1e-4
 BIN = Path(sys.executable).parent
 
 
+def writable_copy(source: Path, target: Path) -> None:
+    """A copy of a fixture folder that the test may change: ../shared comes without write bits (as CI lays it out),
+    which root writes through and an ordinary user does not."""
+    shutil.copytree(source, target)
+    for path in [target, *target.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)
+
+
 @pytest.fixture(autouse=True)
 def release_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("BLOCKGEN_RELEASE_CACHE", str(tmp_path_factory.getbasetemp() / "release-cache"))
@@ -185,7 +193,7 @@ def test_fixture_matches_the_authors_reference(fixture_set, folder, tokenizer_of
 def test_weights_with_and_without_inv_freq_load_the_same(tmp_path, tok64):
     folder = "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"
     copy = tmp_path / folder
-    shutil.copytree(FIXTURES / folder, copy)
+    writable_copy(FIXTURES / folder, copy)
     weights = load_file(str(copy / "model.safetensors"))
     assert "rotary_emb.inv_freq" in weights
     save_file({k: v for k, v in weights.items() if k != "rotary_emb.inv_freq"}, str(copy / "model.safetensors"))
@@ -233,7 +241,7 @@ def test_inconsistent_overrides_fail_clearly(tmp_path, tok64):
         resolve(absorb, ReleaseOverrides.from_model_args(block_sizes="1:8", block_weights="0.5:0.5", tokenizer=tok))
     # A copy outside the release layout: the setting comes from overrides, checked against the weights.
     copy = tmp_path / "my-model"
-    shutil.copytree(absorb, copy)
+    writable_copy(absorb, copy)
     with pytest.raises(ReleaseError, match="give algo="):
         resolve(copy, ReleaseOverrides(tokenizer=tok))
     _one_line(ReleaseError, lambda: resolve(copy, ReleaseOverrides.from_model_args(algo="blockgen", prior="uniform",
@@ -249,7 +257,7 @@ def test_inconsistent_overrides_fail_clearly(tmp_path, tok64):
     with pytest.raises(ReleaseError, match="algo=mdlm contradicts config.json type='block-dit'"):
         resolve(copy, ReleaseOverrides.from_model_args(algo="mdlm", tokenizer=tok))
     ar = tmp_path / "ar-copy"
-    shutil.copytree(FIXTURES / "baselines/tiny/ar", ar)
+    writable_copy(FIXTURES / "baselines/tiny/ar", ar)
     with pytest.raises(ReleaseError, match="algo=mdlm contradicts the weights: they lack the adaLN"):
         resolve(ar, ReleaseOverrides.from_model_args(algo="mdlm", tokenizer=tok))
     model = _lm(copy, algo="blockgen", prior="absorb", block_sizes=8, tokenizer=tok).model  # consistent: loads
@@ -381,7 +389,7 @@ def test_training_can_start_from_a_release(tok64):
 
 def _hub_copy(root: Path, subfolder: str, fixture_set: str = "released-gpt2", folder: str = MIXTURE) -> Path:
     """A fixture copied to `root/<subfolder>`, as `huggingface-cli download --local-dir root` lays the hub out."""
-    shutil.copytree(SETS[fixture_set] / folder, root / subfolder)
+    writable_copy(SETS[fixture_set] / folder, root / subfolder)
     return root / subfolder
 
 
@@ -408,7 +416,7 @@ def test_owt_path_reads_gpt2_and_its_layout(tmp_path, monkeypatch):
     ref = load_file(str(GPT2_FIXTURES / MIXTURE / "reference.safetensors"))
     given = _lm(spec, tokenizer=str(GPT2_TOKENIZER))
     snapshot = tmp_path / "hf-cache/models--gpt2/snapshots/0"  # gpt2 as the hub cache holds it
-    shutil.copytree(GPT2_TOKENIZER, snapshot)
+    writable_copy(GPT2_TOKENIZER, snapshot)
     (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs/main").write_text("0")

@@ -205,7 +205,7 @@ def test_cli_errors_are_one_line_and_leave_no_out_dir(workdir, tmp_path):
     cases = {("--data.difficulty", "impossible"): "choose one of ['easy', 'hard', 'medium']",
              ("--batch-size", "7", "--micro-batch", "2"): "batch_size=7 (--batch-size / BATCH) is not divisible",
              ("--device", "gpu"): "choose one of ['auto', 'cpu', 'cuda', 'cuda:N', 'mps']",
-             ("--init-from", tmp_path / "nowhere"): f"{tmp_path / 'nowhere'} is not a BlockGen checkpoint"}
+             ("--init-from", tmp_path / "nowhere"): f"init_from={tmp_path / 'nowhere'}: does not exist"}
     for flags, named in cases.items():
         out = tmp_path / "run"
         r = blockgen_train("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", *flags, cwd=tmp_path)
