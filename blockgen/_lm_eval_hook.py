@@ -3,9 +3,10 @@
 lm-eval 0.4.13 discovers neither models nor tasks from installed packages. A one-line ``.pth``
 file, installed into site-packages with this package (see ``blockgen/_pth_build.py``), calls
 `install()` whenever Python starts, so this module stays small and imports nothing. `install()`
-puts a finder at the front of ``sys.meta_path`` that waits for three lm-eval modules and, right
+puts a finder at the front of ``sys.meta_path`` that waits for four lm-eval modules and, right
 after each has executed, hands it to `blockgen.lm_eval` (which does the registering):
-``lm_eval.api.registry`` -> ``register_model``, ``lm_eval.tasks.manager`` -> ``add_task_dir``,
+``lm_eval.api.registry`` -> ``register_model``, ``lm_eval.tasks._index`` -> ``cache_builtin_index``
+(lm-eval's own task index kept on disk), ``lm_eval.tasks.manager`` -> ``add_task_dir``,
 ``lm_eval.evaluator`` -> ``check_before_evaluate``. Once all have been seen the finder removes itself.
 
 A failure here must never break Python or lm-eval: it becomes a warning. ``BLOCKGEN_LM_EVAL_HOOK=0``
@@ -16,8 +17,8 @@ import os
 import sys
 
 # lm-eval module -> the function of blockgen.lm_eval that is called with it once it has executed
-WATCHED = {"lm_eval.api.registry": "register_model", "lm_eval.tasks.manager": "add_task_dir",
-           "lm_eval.evaluator": "check_before_evaluate"}
+WATCHED = {"lm_eval.api.registry": "register_model", "lm_eval.tasks._index": "cache_builtin_index",
+           "lm_eval.tasks.manager": "add_task_dir", "lm_eval.evaluator": "check_before_evaluate"}
 
 
 def _warn(what: str, err: Exception) -> None:

@@ -12,22 +12,26 @@ from machine_share import WHOLE_MACHINE, MachineLock, shared_root
 from sampling_models import masked, uniform  # noqa: F401  tiny random models, one of each per test module
 from shared_fixtures import ci_checkpoint, ckpts  # noqa: F401
 
-_mauve_cache: str | None = None
+_caches: list[str] = []
 
 
 def pytest_configure(config):
-    """MAUVE's cache (harness/evaluation/mauve_cache.py) of the tests and of the commands they start: a folder of
-    this session, not ~/.cache. Set before collection, so the modules' ENV copies carry it."""
+    """Caches of the tests and of the commands they start, in folders of this run, not ~/.cache: MAUVE's
+    (harness/evaluation/mauve_cache.py, one per process) and lm-eval's task index (blockgen/lm_eval/task_index.py,
+    made by the controller and inherited by the xdist workers, so the run builds it once). Set before
+    collection, so the modules' ENV copies carry them."""
     config.addinivalue_line("markers", f"{WHOLE_MACHINE}: runs with no other test beside it under xdist "
                             "(outcomes that could depend on the load: sandbox wall clocks, signals at a step, time budgets)")
-    global _mauve_cache
-    _mauve_cache = tempfile.mkdtemp(prefix="blockgen-test-mauve-")
-    os.environ["BLOCKGEN_MAUVE_CACHE"] = _mauve_cache
+    _caches.append(tempfile.mkdtemp(prefix="blockgen-test-mauve-"))
+    os.environ["BLOCKGEN_MAUVE_CACHE"] = _caches[-1]
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        _caches.append(tempfile.mkdtemp(prefix="blockgen-test-task-index-"))
+        os.environ["BLOCKGEN_TASK_INDEX_CACHE"] = _caches[-1]
 
 
 def pytest_unconfigure(config):
-    if _mauve_cache:
-        shutil.rmtree(_mauve_cache, ignore_errors=True)
+    for folder in _caches:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

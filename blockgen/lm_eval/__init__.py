@@ -2,7 +2,8 @@
 
 lm-eval 0.4.13 has no plugin discovery. The start-up hook (``blockgen/_lm_eval_hook.py``) calls
 `register_model` and `add_task_dir` as soon as lm-eval imports the modules they change, so the
-plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks, and
+plain ``lm_eval`` command sees ``--model blockgen`` and the ``blockgen_*`` tasks, `cache_builtin_index`
+(lm-eval's own task index kept between runs: ``blockgen/lm_eval/task_index.py``), and
 `check_before_evaluate`, so the model checks every task's settings before any request runs.
 
 ``python -m blockgen.lm_eval ...`` (or ``torchrun -m blockgen.lm_eval ...``) takes exactly
@@ -15,6 +16,8 @@ import inspect
 import os
 import sys
 from pathlib import Path
+
+from blockgen.lm_eval.task_index import cache_builtin_index
 
 MODEL_NAME = "blockgen"
 ADAPTER = "blockgen.harness.evaluation.lm_eval_model.model:BlockGenLM"
@@ -130,9 +133,11 @@ def register() -> None:
     """Register the model and the task folder now (idempotent; errors are raised, not warned)."""
     import lm_eval.api.registry
     import lm_eval.evaluator
+    import lm_eval.tasks._index
     import lm_eval.tasks.manager
 
     register_model(lm_eval.api.registry)
+    cache_builtin_index(lm_eval.tasks._index)
     add_task_dir(lm_eval.tasks.manager)
     check_before_evaluate(lm_eval.evaluator)
 
