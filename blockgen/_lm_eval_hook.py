@@ -7,7 +7,8 @@ puts a finder at the front of ``sys.meta_path`` that waits for four lm-eval modu
 after each has executed, hands it to `blockgen.lm_eval` (which does the registering):
 ``lm_eval.api.registry`` -> ``register_model``, ``lm_eval.tasks._index`` -> ``cache_builtin_index``
 (lm-eval's own task index kept on disk), ``lm_eval.tasks.manager`` -> ``add_task_dir``,
-``lm_eval.evaluator`` -> ``check_before_evaluate``. Once all have been seen the finder removes itself.
+``lm_eval.evaluator`` -> ``extend_evaluator`` (``check_before_evaluate``, and ``remember_env_info``: the
+environment report made once per process). Once all have been seen the finder removes itself.
 
 A failure here must never break Python or lm-eval: it becomes a warning. ``BLOCKGEN_LM_EVAL_HOOK=0``
 in the environment turns the hook off (``python -m blockgen.lm_eval`` registers by itself).
@@ -18,7 +19,7 @@ import sys
 
 # lm-eval module -> the function of blockgen.lm_eval that is called with it once it has executed
 WATCHED = {"lm_eval.api.registry": "register_model", "lm_eval.tasks._index": "cache_builtin_index",
-           "lm_eval.tasks.manager": "add_task_dir", "lm_eval.evaluator": "check_before_evaluate"}
+           "lm_eval.tasks.manager": "add_task_dir", "lm_eval.evaluator": "extend_evaluator"}
 
 
 def _warn(what: str, err: Exception) -> None:

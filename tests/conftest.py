@@ -22,6 +22,8 @@ def pytest_configure(config):
     collection, so the modules' ENV copies carry them."""
     config.addinivalue_line("markers", f"{WHOLE_MACHINE}: runs with no other test beside it under xdist "
                             "(outcomes that could depend on the load: sandbox wall clocks, signals at a step, time budgets)")
+    config.addinivalue_line("markers", "runs_programs: executes programs in the sandbox (tasks/sandbox.py); "
+                            "`make test-unprivileged` runs these again as uid nobody")
     _caches.append(tempfile.mkdtemp(prefix="blockgen-test-mauve-"))
     os.environ["BLOCKGEN_MAUVE_CACHE"] = _caches[-1]
     if not hasattr(config, "workerinput"):  # the controller, or a run without xdist

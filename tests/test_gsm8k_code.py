@@ -193,6 +193,7 @@ HAND_WRITTEN = {  # completion -> verdict against ANSWER (or the answer given)
 
 
 @pytest.mark.whole_machine
+@pytest.mark.runs_programs
 def test_scoring_of_hand_written_programs():
     """Right, wrong, float, printed, no function, syntax error, exception, endless loop, hostile:
     each gets its verdict, the filter runs them all at once, and the evaluator is untouched."""
@@ -257,6 +258,7 @@ def test_is_correct() -> None:
 
 
 @pytest.mark.whole_machine
+@pytest.mark.runs_programs
 def test_scoring_accepts_reference_programs_and_rejects_others():
     """The generator's own programs score right through the task's filter and scoring (with trailing text
     after the program); a changed answer or a printed one does not."""
@@ -313,6 +315,7 @@ def _lm_eval_args(ckpt: Path, task: str, out: Path, limit: int, metadata: dict |
     return args + (["--metadata", json.dumps(metadata)] if metadata else [])
 
 
+@pytest.mark.runs_programs
 def test_lm_eval_gsm8k_code_on_the_real_split(gsm_ckpts, gsm8k_file, tmp_path):
     proc = _run([str(BIN / "lm_eval"), *_lm_eval_args(gsm_ckpts["sep"], "gsm8k_code", tmp_path, 8,
                                                        {"gsm8k_path": str(gsm8k_file)})])
@@ -371,6 +374,7 @@ def twin_single(trained, tmp_path_factory) -> dict:
     return {"out": out, "metrics": _check_run(out, "gsm8k_code_embedded", 12)}
 
 
+@pytest.mark.runs_programs
 def test_lm_eval_twin_on_a_trained_checkpoint(twin_single):
     metrics, samples = twin_single["metrics"], _samples(twin_single["out"], "gsm8k_code_embedded")
     held = [s for s in samples if s["doc"]["is_heldout"]]
@@ -380,6 +384,7 @@ def test_lm_eval_twin_on_a_trained_checkpoint(twin_single):
     assert metrics["exact_match_in_distribution,sandbox"] == pytest.approx(sum(s["exact_match"] for s in seen) / len(seen))
 
 
+@pytest.mark.runs_programs
 def test_torchrun_two_ranks_agree_with_one_process(trained, twin_single, tmp_path):
     import socket
 
@@ -396,6 +401,7 @@ def test_torchrun_two_ranks_agree_with_one_process(trained, twin_single, tmp_pat
     assert {k: v for k, v in dp.items() if k != "alias"} == pytest.approx({k: v for k, v in single.items() if k != "alias"})
 
 
+@pytest.mark.runs_programs
 def test_demo_accuracy_comes_from_the_task(trained):
     """The demo's evaluation is `simple_evaluate` on gsm8k_code_embedded (one code path)."""
     from blockgen.harness.evaluation.wordproblem_eval import evaluate_embedded

@@ -210,6 +210,31 @@ def test_start_up_hook_is_cheap():
     assert _run([sys.executable, "-c", probe]).stdout.split() == ["['blockgen',", "'dummy',", "'hf',", "'vllm']", "False"]
 
 
+def test_the_environment_report_is_made_once_per_process_and_folder(monkeypatch, tmp_path):
+    """lm-eval's `add_env_info` (torch's collect_env, `pip list`) runs once per working directory of a process; every
+    later result gets the same report, as lm-eval itself would have written it."""
+    import lm_eval.evaluator
+    import lm_eval.loggers.utils
+    import torch.utils.collect_env
+
+    import blockgen.lm_eval
+
+    assert getattr(lm_eval.evaluator.add_env_info, "_blockgen_memo", False)  # installed by the start-up hook
+    calls = []
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: calls.append(1) or f"report {len(calls)}")
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", lm_eval.loggers.utils.add_env_info)
+    blockgen.lm_eval.remember_env_info(lm_eval.evaluator)
+    expected: dict = {}
+    lm_eval.loggers.utils.add_env_info(expected)  # lm-eval's own, unmemoised: "report 1"
+    first, second, elsewhere = {}, {"kept": 1}, {}
+    lm_eval.evaluator.add_env_info(first)
+    lm_eval.evaluator.add_env_info(second)
+    assert first == {**expected, "pretty_env_info": "report 2"} and second == {**first, "kept": 1} and len(calls) == 2
+    monkeypatch.chdir(tmp_path)
+    lm_eval.evaluator.add_env_info(elsewhere)
+    assert elsewhere["pretty_env_info"] == "report 3" and len(calls) == 3
+
+
 def test_hook_failures_are_warnings(monkeypatch):
     import blockgen.lm_eval
     from blockgen import _lm_eval_hook as hook

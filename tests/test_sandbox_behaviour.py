@@ -28,7 +28,7 @@ from limits import HANG_S
 from sandbox_helpers import FAST, ROOT, SLACK_S, program, sandbox_processes, wait_until_gone
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- sandbox behaviour ----------------------------------------------------------------------------

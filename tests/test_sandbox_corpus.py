@@ -22,7 +22,7 @@ from hostile_programs import CASES, Case, World, bombs, corpus
 from sandbox_helpers import FAST, SLACK_S, program, run_cgroups, wait_until_gone
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- the hostile environment -------------------------------------------------------------------

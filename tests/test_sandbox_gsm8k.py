@@ -13,7 +13,7 @@ from blockgen.tasks.gsm8k_code import extract_code, is_correct  # the task's, on
 from sandbox_helpers import FAST, GSM8K
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- code extraction on real GSM8K records (scored by the task's is_correct) ---------------------

@@ -17,7 +17,7 @@ from blockgen.tasks.sandbox import Outcome, run_many, run_program
 from sandbox_helpers import FAST, ROOT, program, sysv_keys
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- hardening: IPC, host sockets, neighbours, returned values ---------------------------------

@@ -37,7 +37,7 @@ from sandbox_helpers import (
 )
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- the seven classes of issue 22: each attempt contained, the neighbour scores, nothing left ----

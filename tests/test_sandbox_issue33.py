@@ -23,7 +23,7 @@ from limits import HANG_S
 from sandbox_helpers import FAST, contained, program, run_cgroups, sandbox_processes, syscall_numbers
 
 # Sandbox runs with wall clocks of a second or two, or processes that take both cores: alone under xdist.
-pytestmark = pytest.mark.whole_machine
+pytestmark = [pytest.mark.whole_machine, pytest.mark.runs_programs]
 
 
 # --- issue 33: what a run could still take from the machine outside its namespaces and cgroups -----

@@ -79,6 +79,7 @@ def outputs(out: Path, task: str) -> tuple[dict, list[dict]]:
     return json.loads(results.read_text()), [json.loads(line) for line in samples.read_text().splitlines()]
 
 
+@pytest.mark.runs_programs
 def test_hf_gsm8k_code_embedded_with_defaults(constant_gpt2, tok, tmp_path):
     """No generation argument: each row may generate the room its prompt leaves (prompt + budget =
     the model's length); the model that never stops uses all of it, and the results count the hits."""
@@ -143,6 +144,7 @@ def test_hf_owt_genppl_embedded_with_only_the_scorer(random_gpt2, tmp_path):
     assert (row.sampler, row.temperature, row.value) == ("ar_sample", 1.0, metrics["gen_ppl,none"])
 
 
+@pytest.mark.runs_programs
 def test_blockgen_gets_the_same_budgets(tok, tmp_path):
     """--model blockgen without max_gen_toks: per-row budgets too (the sampler fills its grid up to
     seq_len), in one batch per sampler setting: one usage record, one leaderboard setting."""

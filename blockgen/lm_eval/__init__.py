@@ -129,6 +129,34 @@ def check_before_evaluate(evaluator) -> None:
     evaluator.evaluate = evaluate
 
 
+def remember_env_info(evaluator) -> None:
+    """lm-eval records the environment in every result (`add_env_info`: torch's `collect_env`, which starts `pip list`
+    and asks the system for its CPU and GPUs: 3-5 s on the 2-core machine). Within one process that report cannot
+    change, so it is made once per working directory (it also records the git commit of the folder above) and
+    copied into each later result: a sweep's settings after the first, CI's checks, the tests."""
+    original = evaluator.add_env_info
+    if getattr(original, "_blockgen_memo", False):
+        return
+    made: dict[str, dict] = {}
+
+    @functools.wraps(original)
+    def add_env_info(storage: dict) -> None:
+        here = os.getcwd()
+        if here not in made:
+            made[here] = {}
+            original(made[here])
+        storage.update(made[here])
+
+    add_env_info._blockgen_memo = True
+    evaluator.add_env_info = add_env_info
+
+
+def extend_evaluator(evaluator) -> None:
+    """The start-up hook's entry for `lm_eval.evaluator`: `check_before_evaluate` and `remember_env_info`."""
+    check_before_evaluate(evaluator)
+    remember_env_info(evaluator)
+
+
 def register() -> None:
     """Register the model and the task folder now (idempotent; errors are raised, not warned)."""
     import lm_eval.api.registry
@@ -139,7 +167,7 @@ def register() -> None:
     register_model(lm_eval.api.registry)
     cache_builtin_index(lm_eval.tasks._index)
     add_task_dir(lm_eval.tasks.manager)
-    check_before_evaluate(lm_eval.evaluator)
+    extend_evaluator(lm_eval.evaluator)
 
 
 def main() -> None:
