@@ -9,17 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-SamplerName = Literal["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]
-SAMPLERS: tuple[str, ...] = get_args(SamplerName)
-AR_SAMPLERS = ("ar_greedy", "ar_sample")
-INFORMED_SAMPLERS = ("eipc", "arpc")
+from blockgen.models import samplers
+
 BlockLayout = Literal["grid", "prompt_end"]
 BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    name: SamplerName = "ancestral"
+    name: str = "ancestral"  # a registered sampler (models/samplers/)
     steps: int = 16  # N_step: reverse steps per block (ignored by the AR samplers)
     ge: int = 1  # an informed step every `ge` steps after the warm-up (eipc, arpc)
     warmup: int = 0  # ancestral-only steps at the start of each block (eipc, arpc)
@@ -30,34 +28,34 @@ class SamplerConfig:
     layout: BlockLayout = "grid"  # blocks on the training grid, or a whole block right after the prompt
 
     def __post_init__(self) -> None:
-        if self.name not in SAMPLERS:
-            raise ValueError(f"unknown sampler {self.name!r}; choose one of {list(SAMPLERS)}")
+        sampler = samplers.get(self.name)  # an unknown name lists the registered ones
         if self.layout not in BLOCK_LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; choose one of {list(BLOCK_LAYOUTS)}")
         for key, low in (("steps", 1), ("ge", 1), ("warmup", 0), ("max_new_tokens", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{key}={value!r}; must be an integer >= {low}")
-        if self.name in INFORMED_SAMPLERS and self.warmup >= self.steps:
-            raise ValueError(
-                f"warmup={self.warmup} leaves no informed step of {self.name!r}; choose warmup in 0..{self.steps - 1}"
-            )
-        if self.name != "ar_greedy" and not self.temperature > 0:
+        if sampler.reads_temperature and not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r}; sampler {self.name!r} needs a temperature > 0")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size={self.block_size!r}; must be a positive integer or None")
-        if self.name in AR_SAMPLERS and self.block_size not in (None, 1):
-            raise ValueError(f"sampler {self.name!r} decodes one token per call; block_size must be 1 or None")
-        if self.name not in AR_SAMPLERS and self.block_size == 1:
-            raise ValueError(f"block size 1 is autoregression; use sampler 'ar_sample' or 'ar_greedy', not {self.name!r}")
+        if not sampler.autoregressive and self.block_size == 1:
+            raise ValueError(f"block size 1 is autoregression; use sampler {' or '.join(map(repr, samplers.autoregressive_names()))}, "
+                             f"not {self.name!r}")
+        sampler.check(self)
+
+    @property
+    def sampler(self) -> samplers.Sampler:
+        """The registered sampler this setting runs."""
+        return samplers.get(self.name)
 
     @property
     def is_ar(self) -> bool:
-        return self.name in AR_SAMPLERS
+        return self.sampler.autoregressive
 
     def informed(self, i: int) -> bool:
         """Whether step i of a block is an informed (predictor-corrector) step."""
-        return self.name in INFORMED_SAMPLERS and i >= self.warmup and (i - self.warmup) % self.ge == 0
+        return self.sampler.informed and i >= self.warmup and (i - self.warmup) % self.ge == 0
 
 
 # ------------------------------------------------------------------------------- step schedule
@@ -80,21 +78,10 @@ def renoise_count(i: int, steps: int, n: int, eps: float) -> int:
 
 
 def paper_nfe_per_block(config: SamplerConfig) -> int:
-    """The paper's NFE label per block (appendix D): ARPC counts one AR pass per informed step."""
-    if config.is_ar:
-        return 1
-    if config.name == "arpc":
-        return config.steps + (config.steps - 1 - config.warmup) // config.ge + 1
-    return config.steps
+    """The paper's NFE label per block (appendix D): the sampler's rule (ARPC counts one AR pass per informed step)."""
+    return config.sampler.paper_nfe_per_block(config)
 
 
 def calls_per_block(config: SamplerConfig, block_size: int, eps: float = 1e-3) -> int:
-    """Model calls this module really makes per block: ARPC skips the AR pass when k = 0 (last step)."""
-    if config.is_ar:
-        return 1
-    if config.name != "arpc":
-        return config.steps
-    passes = sum(
-        1 for i in range(config.steps) if config.informed(i) and renoise_count(i, config.steps, block_size, eps) > 0
-    )
-    return config.steps + passes
+    """Model calls the sampler really makes per block (ARPC skips the AR pass when k = 0, at the last step)."""
+    return config.sampler.calls_per_block(config, block_size, eps)

@@ -85,9 +85,8 @@ from blockgen.models.backbone import KVCache, reused_static_cache
 from blockgen.models.diffusion import Prior, Randomness, RowStreams, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
+from blockgen.models import samplers
 from blockgen.models.sampler_config import (
-    AR_SAMPLERS,
-    SAMPLERS,
     BlockLayout,
     SamplerConfig,
     paper_nfe_per_block,
@@ -117,16 +116,17 @@ def check_config(model: BlockGen | BlockGenConfig, config: SamplerConfig) -> int
     if not config.is_ar and block_size == 1:
         usable = [s for s in sizes if s > 1]
         if not usable:
-            raise ValueError(f"this checkpoint is autoregressive (block sizes {list(sizes)}); choose one of {list(AR_SAMPLERS)}")
+            raise ValueError(f"this checkpoint is autoregressive (block sizes {list(sizes)}); "
+                             f"choose one of {list(samplers.autoregressive_names())}")
         raise ValueError(f"sampler {config.name!r} needs a block size > 1; choose one of {usable} or an AR sampler")
-    if config.name == "arpc":
+    if config.sampler.needs_ar_pass:
+        others = [n for n, s in samplers.load().items() if not (s.needs_ar_pass or s.autoregressive)]
         if 1 not in sizes:
-            raise ValueError(
-                f"'arpc' needs block size 1 in the training mixture (this checkpoint has {list(sizes)}); "
-                f"choose one of {[s for s in SAMPLERS if s not in ('arpc', *AR_SAMPLERS)]}"
-            )
+            raise ValueError(f"{config.name!r} needs block size 1 in the training mixture (this checkpoint has "
+                             f"{list(sizes)}); choose one of {others}")
         if not cfg.causal_clean:
-            raise ValueError("'arpc' needs a token-causal clean stream (causal_clean=True); choose 'ancestral' or 'eipc'")
+            raise ValueError(f"{config.name!r} needs a token-causal clean stream (causal_clean=True); "
+                             f"choose one of {others}")
     return block_size
 
 
@@ -323,9 +323,14 @@ class Decoder:
 # ------------------------------------------------------------------------------ block samplers
 
 
+def tempered_log_probs(prior: Prior, logits: torch.Tensor, z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the denoiser at a temperature (logits / T first)."""
+    return prior.denoiser_log_probs(logits / temperature, z)
+
+
 def _probs(prior: Prior, logits: torch.Tensor, z: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities, log-probabilities) of the denoiser at a temperature (logits / T first)."""
-    log_p = prior.denoiser_log_probs(logits / temperature, z)
+    log_p = tempered_log_probs(prior, logits, z, temperature)
     return log_p.exp(), log_p
 
 
@@ -356,12 +361,7 @@ def _informed_step(dec: Decoder, config: SamplerConfig, z, x_probs, i: int, gene
     if not any(counts):  # the last step: nothing to re-noise, the scores (and ARPC's extra call) could change nothing
         return x
     k = torch.tensor(counts, device=x.device)
-    if config.name == "eipc":
-        score = torch.special.xlogy(x_probs, x_probs).sum(-1)  # negative entropy; 0 log 0 = 0
-    else:
-        ar_logits, noise = dec.ar_pass(x)
-        _, ar_log_p = _probs(prior, ar_logits, noise, config.temperature)
-        score = ar_log_p.gather(-1, x[..., None])[..., 0]
+    score = config.sampler.score(dec, config, x, x_probs)  # EIPC: negative entropy; ARPC: AR log-likelihood
     if dec.fixed is not None:  # a prompt tail is never re-noised
         score = score.masked_fill(dec.fixed[1], torch.inf)
     chosen = _lowest(score, k)
@@ -394,11 +394,12 @@ def diffusion_block(dec: Decoder, config: SamplerConfig, generator: Randomness, 
     return z
 
 
-def ar_token(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=None, block_index: int = 0) -> torch.Tensor:
+def ar_token(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=None, block_index: int = 0,
+             greedy: bool = False) -> torch.Tensor:
     """One token per row by autoregression (block size 1): greedy or sampled at a temperature."""
     z = dec.prior.fully_noised((dec.batch, 1), device=dec.device)
     logits = dec.denoise(z)
-    if config.name == "ar_greedy":
+    if greedy:
         x = dec.prior.denoiser_log_probs(logits, z).argmax(-1)
     else:
         x = sample_categorical(_probs(dec.prior, logits, z, config.temperature)[0], generator)
@@ -518,7 +519,7 @@ def generate(
             capacity = 1 << (capacity - 1).bit_length()
         dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits],
                       capacity, static_shapes, compile)
-        sample_block = ar_token if config.is_ar else diffusion_block
+        sample_block = config.sampler.block  # models/samplers/: the registered sampler's block function
         active = list(range(n))  # original index of each batch row
         running = [True] * n  # per batch row: False once it finished but stays in the batch (compile)
         out: list[list[int]] = [[] for _ in range(n)]

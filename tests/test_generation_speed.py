@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from blockgen.models.host_reads import HostReads, to_host
-from blockgen.models.sampler_config import SAMPLERS, SamplerConfig
+from blockgen.models import samplers
+from blockgen.models.sampler_config import SamplerConfig
 from blockgen.models.sampling import generate
 from sampling_models import V, tiny_model
 
@@ -42,7 +43,7 @@ def test_the_counter_sees_what_makes_a_gpu_wait():
 
 
 @pytest.mark.parametrize("layout", ["grid", "prompt_end"])
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", samplers.names())
 def test_host_reads_per_step_and_per_block(model, name, layout):
     """Every sampler, both priors and layouts, rows leaving the batch at different blocks: no host read
     between two denoising steps of a block, at most one per block (its read-back)."""

@@ -11,7 +11,7 @@ import pytest
 
 from blockgen.harness.reports import plots
 from blockgen.harness.reports.leaderboard import Row
-from blockgen.harness.reports.plots import COLORS, pareto_front, speed_quality_frontier
+from blockgen.harness.reports.plots import color, pareto_front, speed_quality_frontier
 
 TASK, MODEL = "embedded_wordproblems", "gsm-masked-mix"
 AR_GREEDY = (0.60, 40.0)  # accuracy, tokens/s
@@ -20,7 +20,7 @@ AR_GREEDY = (0.60, 40.0)  # accuracy, tokens/s
 def gen_row(sampler: str, nfe: int, temperature: float | None, value: float, tokens_per_s: float | None, *,
             model: str = MODEL, published: bool = False, steps: int | None = None,
             block_sizes: list[int] | None = None) -> Row:
-    ar = sampler in plots.AR_SAMPLERS
+    ar = plots.is_ar(sampler)
     return Row(model=model, task=TASK, metric="exact_match", value=value, stderr=0.02, n=500, higher_is_better=True,
                published=published, prior="masked", block_sizes=block_sizes, sampler=sampler, steps=steps or nfe, ge=1, warmup=0,
                temperature=temperature, block_size=1 if ar else 16, nfe_per_block=nfe, tokens_per_s=tokens_per_s,
@@ -111,7 +111,7 @@ def test_frontier_png_opens_and_shows_every_sampler_colour(tmp_path):
     image = matplotlib.image.imread(path)[..., :3]
     assert image.shape[0] > 400 and image.shape[1] > 700 and image.std() > 0.05  # drawn, not blank
     for sampler in ("ancestral", "eipc", "arpc"):
-        colour = np.array(matplotlib.colors.to_rgb(COLORS[sampler]))
+        colour = np.array(matplotlib.colors.to_rgb(color(sampler)))
         near = np.abs(image - colour).max(axis=-1) < 0.03
         assert near.sum() > 30, sampler  # markers of that sampler's colour are on the image
     assert len(np.unique((image * 255).round().astype(np.uint8).reshape(-1, 3), axis=0)) > 20
@@ -152,7 +152,7 @@ def test_accuracy_vs_nfe_is_scaled_to_the_data_with_error_bars(tmp_path, monkeyp
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(drawn) == 2  # one panel per temperature
     for (low, high), colours, bands in drawn:
         assert 20 < low < 34 and 65 < high < 80
-        assert sorted(colours) == sorted(COLORS[s] for s in ("ancestral", "eipc", "arpc"))  # error bars per sampler
+        assert sorted(colours) == sorted(color(s) for s in ("ancestral", "eipc", "arpc"))  # error bars per sampler
         assert bands == 2  # AR greedy and AR sampled: +-1 s.e.
 
 

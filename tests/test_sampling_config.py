@@ -11,7 +11,8 @@ import pytest
 
 from blockgen.models.backbone import ModelShape
 from blockgen.models.model import BlockGen, BlockGenConfig
-from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
+from blockgen.models import samplers
+from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
 from blockgen.models.sampling import check_config, generate, max_prompt_len
 from sampling_models import tiny_model
 
@@ -79,7 +80,7 @@ def test_configs_checked_against_the_model(masked):
         check_config(tiny_model(sizes=(4, 8)), SamplerConfig("ar_greedy"))
     with pytest.raises(ValueError, match="seq_len"):
         generate(masked, [[1] * 60], SamplerConfig("ancestral", max_new_tokens=8), eos_id=-1, pad_id=0)
-    assert set(SAMPLERS) == {"ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"}
+    assert set(samplers.names()) == {"ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"}
 
 
 def test_cli_samples_a_checkpoint(tmp_path, capsys):

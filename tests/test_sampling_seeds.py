@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from blockgen.models.diffusion import RowStreams, sample_categorical
-from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
+from blockgen.models import samplers
+from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
 from blockgen.models.sampling import GenerationResult, generate
 from sampling_models import V
 
@@ -116,7 +117,7 @@ def test_per_row_seeds_make_rows_batch_independent(prior, layout, masked, unifor
     lengths = [0, 1, 3, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 20, 23, 30]
     prompts = [[(7 * r + j) % V for j in range(n)] for r, n in enumerate(lengths)]
     seeds = [1000 + 37 * r for r in range(len(prompts))]
-    for name in SAMPLERS:
+    for name in samplers.names():
         config = SamplerConfig(name, steps=4, ge=2, temperature=0.7, max_new_tokens=12, layout=layout)
 
         def run(rows: list[int]) -> GenerationResult:

@@ -40,9 +40,6 @@ STORED_RATES = MEASURED_RATES / "nvidia-h100-80gb-hbm3.json"
 
 PRECISIONS = ("float32", "float32+tf32", "bfloat16", "bfloat16+tf32")
 SIZES = ("micro", "tiny", "paper")
-# Priced with another sampler's measured calls: the same model call per step (EIPC scores by the
-# marginals' entropy, no extra call; AR sampling differs from greedy only in the draw).
-PRICED_AS = {"eipc": "ancestral", "ar_sample": "ar_greedy"}
 
 
 def precision_label(dtype: str | None, tf32: bool = False) -> str:
@@ -57,7 +54,7 @@ def precision_label(dtype: str | None, tf32: bool = False) -> str:
 @dataclass(frozen=True)
 class CallRate:
     precision: str  # one of PRECISIONS: the matmuls' dtype, +tf32 when TF32 was on
-    sampler: str  # models.sampler_config.SAMPLERS
+    sampler: str  # a registered sampler (models/samplers/)
     block_size: int  # tokens per block of the calls (1: AR decoding)
     batch: int  # rows per call
     seconds: float  # per batched call
@@ -112,7 +109,10 @@ class Rates:
 
     def call_seconds(self, sampler: str, block_size: int, batch: int, precision: str) -> tuple[float | None, str]:
         """(seconds per batched call, how it was found) or (None, why there is none)."""
-        name = PRICED_AS.get(sampler, sampler)
+        from blockgen.models import samplers
+
+        # priced with another sampler's measured calls where the model call per step is the same (Sampler.priced_as)
+        name = samplers.get(sampler).priced_as or sampler
         rows = [r for r in self.sampler_calls if r.sampler == name and r.block_size == block_size]
         what = f"{name} calls of {block_size}-token blocks" + (f" (for {sampler})" if name != sampler else "")
         return _lookup(rows, batch, precision, what)
@@ -193,7 +193,7 @@ def from_dict(data: Any, where: str = "rates") -> Rates:
 
 def _check_values(rates: Rates, where: str) -> None:
     from blockgen.harness.checkpoints.release_paths import ALGOS
-    from blockgen.models.sampler_config import SAMPLERS
+    from blockgen.models import samplers
 
     def bad(name: str, value: Any, expected: str) -> RatesError:
         return RatesError(f"rates file {where}: {name}: {value!r}; expected {expected}")
@@ -209,8 +209,8 @@ def _check_values(rates: Rates, where: str) -> None:
                 raise bad(f"{name}.seconds", r.seconds, "a positive number of seconds")
             if r.batch < 1:
                 raise bad(f"{name}.batch", r.batch, "an integer >= 1")
-            if isinstance(r, CallRate) and r.sampler not in SAMPLERS:
-                raise bad(f"{name}.sampler", r.sampler, f"one of {list(SAMPLERS)}")
+            if isinstance(r, CallRate) and r.sampler not in samplers.names():
+                raise bad(f"{name}.sampler", r.sampler, f"one of {list(samplers.names())}")
             if isinstance(r, CallRate) and r.block_size < 1:
                 raise bad(f"{name}.block_size", r.block_size, "an integer >= 1")
             if isinstance(r, PassRate) and r.algo not in ALGOS:

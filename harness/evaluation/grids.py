@@ -110,11 +110,11 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
 
 def sampler_label(s: SamplerConfig) -> str:
     """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row."""
-    if s.name == "ar_greedy":
+    if not s.sampler.reads_temperature:
         return s.name
     if s.is_ar:
         return f"{s.name}(T{s.temperature:g})"
-    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.name in ("eipc", "arpc") else ""
+    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.sampler.informed else ""
     return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
 
 

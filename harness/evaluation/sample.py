@@ -28,7 +28,8 @@ from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
 from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_setting
 from blockgen.harness.evaluation.sampler_grid import settings_at
-from blockgen.models.sampler_config import BLOCK_LAYOUTS, SAMPLERS, SamplerConfig
+from blockgen.models import samplers
+from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
 from blockgen.models.sampling import check_config, generate, max_prompt_len
 
 
@@ -43,7 +44,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bos", action="store_true", help="do not prepend BOS")
     p.add_argument("--sep", action="store_true", help="append the prompt/answer separator")
     defaults = SamplerConfig()
-    p.add_argument("--sampler", choices=list(SAMPLERS), default=defaults.name)
+    p.add_argument("--sampler", choices=list(samplers.names()), default=defaults.name,
+                   help="; ".join(f"{n}: {s.summary}" for n, s in samplers.load().items()))
     p.add_argument("--nfe", type=int, default=None, help="the paper's variant at this NFE per block (`blockgen variants "
                    "SAMPLER`), narrowed by any --steps/--ge/--warmup given; as lm-eval's nfe= model arg")
     p.add_argument("--steps", type=int, default=None, help="N_step: reverse steps per block (default: the block size)")

@@ -58,7 +58,7 @@ class Setting:
     def key(self, k_mc: int) -> str:
         """What decides the results: greedy AR decoding does not read the temperature."""
         args = self.model_args(k_mc)
-        if args.get("sampler") == "ar_greedy":
+        if self.sampler is not None and not self.sampler.sampler.reads_temperature:
             args.pop("temperature")
         return json.dumps([self.task, args], sort_keys=True)
 

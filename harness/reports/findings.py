@@ -82,7 +82,7 @@ def _labels(model_sizes: dict[str, tuple[int, ...]], temperatures, nfes) -> dict
     for model, sizes in model_sizes.items():
         for s in demo_samplers(sizes, tuple(temperatures), tuple(nfes)):
             nfe = None if s.is_ar else paper_nfe_per_block(s)
-            out[(model, s.name, nfe, None if s.name == "ar_greedy" else s.temperature)] = sampler_label(s)
+            out[(model, s.name, nfe, s.temperature if s.sampler.reads_temperature else None)] = sampler_label(s)
     return out
 
 

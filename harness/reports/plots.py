@@ -19,14 +19,25 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from blockgen.harness.reports.leaderboard import Row, best_per_nfe, table
+from blockgen.models import samplers
 
 ACCURACY_METRICS = ("exact_match",)
 GENPPL_METRICS = ("gen_ppl",)  # generative perplexity under the scorer model
 ENTROPY_METRICS = ("unigram_entropy",)  # mean per-sample unigram entropy
-AR_SAMPLERS = ("ar_greedy", "ar_sample")
 MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X")  # Gen PPL plot: one per model, in name order
 MIN_ACCURACY_SPAN = 10.0  # accuracy plot: the y axis spans at least this many points
-COLORS = {"ancestral": "tab:blue", "eipc": "tab:green", "arpc": "tab:red", "ar_greedy": "black", "ar_sample": "tab:gray"}
+OTHER_COLOR = "tab:purple"  # a sampler name no registered sampler has (rows of another project's results)
+
+
+def color(sampler: str) -> str:
+    """A sampler's plot colour, as it declares it (models/samplers/)."""
+    found = samplers.load().get(sampler)
+    return found.color if found is not None else OTHER_COLOR
+
+
+def is_ar(sampler: str) -> bool:
+    found = samplers.load().get(sampler)
+    return found is not None and found.autoregressive
 
 
 def _pyplot():
@@ -53,10 +64,10 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
     from matplotlib.ticker import ScalarFormatter
 
     written = []
-    diffusion = best_per_nfe(df[~df.sampler.isin(AR_SAMPLERS) & df.nfe_per_block.notna()])
+    diffusion = best_per_nfe(df[~df.sampler.map(is_ar) & df.nfe_per_block.notna()])
     # The AR reference is the AR model's (trained on block size 1 alone; unrecorded: another lm-eval
     # model type), not a mixture decoded at block size 1.
-    ar = df[df.sampler.isin(AR_SAMPLERS) & df.block_sizes.map(lambda b: not isinstance(b, (list, tuple)) or list(b) == [1])]
+    ar = df[df.sampler.map(is_ar) & df.block_sizes.map(lambda b: not isinstance(b, (list, tuple)) or list(b) == [1])]
     for (task, block), group in diffusion.groupby(["task", "block_size"], dropna=False):
         temps = sorted(group.temperature.dropna().unique(), reverse=True) or [None]
         fig, axes = plt.subplots(1, len(temps), figsize=(max(5.2 * len(temps), 7.5), 4.2), squeeze=False, sharey=True)
@@ -66,7 +77,7 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
                 line = line.sort_values("nfe_per_block")
                 # +- one standard error (the paper's rows carry none)
                 ax.errorbar(line.nfe_per_block, 100 * line.value, yerr=100 * line.stderr.astype(float).fillna(0.0),
-                            marker="o", color=COLORS.get(sampler, "tab:purple"), capsize=2, elinewidth=0.8,
+                            marker="o", color=color(sampler), capsize=2, elinewidth=0.8,
                             linestyle="-" if prior == "masked" else "--", linewidth=1 if published else 2,
                             alpha=0.45 if published else 1.0, markersize=3 if published else 5,
                             label=f"{model} {sampler} {prior}" + (" (paper)" if published else ""))
@@ -74,10 +85,10 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
             same_t = (ar.sampler == "ar_greedy") | ar.temperature.isna() | (temp is None) | (ar.temperature == temp)
             for (published, model, sampler), line in ar[(ar.task == task) & same_t].groupby(["published", "model", "sampler"]):
                 best = line.loc[line.value.idxmax()]
-                ax.axhline(100 * best.value, color=COLORS[sampler], linestyle=":", linewidth=1,
+                ax.axhline(100 * best.value, color=color(sampler), linestyle=":", linewidth=1,
                            alpha=0.45 if published else 1.0, label=f"{model} {sampler}" + (" (paper)" if published else ""))
                 if not published and pd.notna(best.stderr):  # a band of +- 1 s.e.
-                    ax.axhspan(100 * (best.value - best.stderr), 100 * (best.value + best.stderr), color=COLORS[sampler], alpha=0.08)
+                    ax.axhspan(100 * (best.value - best.stderr), 100 * (best.value + best.stderr), color=color(sampler), alpha=0.08)
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(ScalarFormatter())  # 4, 8, 16 rather than 2^2, 2^3, 2^4
             ax.set_xlabel("NFE per block (paper's label)")
@@ -113,8 +124,8 @@ def genppl_vs_entropy(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         for key, curve in group.groupby(curve_keys, dropna=False):
             published, model, sampler, steps, ge, warmup, nfe = key
             curve = curve.sort_values("temperature")
-            label = f"{model} {sampler}" + ("" if sampler in AR_SAMPLERS else f" NFE {nfe}") + (" (paper)" if published else "")
-            ax.plot(curve.entropy, curve.value, marker=marker_of[model], color=COLORS.get(sampler, "tab:purple"),
+            label = f"{model} {sampler}" + ("" if is_ar(sampler) else f" NFE {nfe}") + (" (paper)" if published else "")
+            ax.plot(curve.entropy, curve.value, marker=marker_of[model], color=color(sampler),
                     alpha=0.45 if published else 1.0, label=label)
             for _, point in curve.iterrows():  # beside the point, not on it
                 ax.annotate(f"T{point.temperature:g}", (point.entropy, point.value), xytext=(5, 4),
@@ -168,10 +179,10 @@ def speed_quality_frontier(rows: Iterable[Row], out_dir: str | Path) -> list[Pat
         others = group[group.sampler != "ar_greedy"]
         temps = sorted(others.temperature.dropna().unique(), reverse=True)
         marker_of = {t: FRONTIER_TEMPERATURE_MARKERS[i % len(FRONTIER_TEMPERATURE_MARKERS)] for i, t in enumerate(temps)}
-        several_blocks = others[~others.sampler.isin(AR_SAMPLERS)].block_size.nunique() > 1
+        several_blocks = others[~others.sampler.map(is_ar)].block_size.nunique() > 1
         for (sampler, temp), points in others.groupby(["sampler", "temperature"], dropna=False):
             ax.errorbar(points.tokens_per_s, 100 * points.value, yerr=100 * points.stderr.astype(float).fillna(0.0),
-                        fmt=marker_of.get(temp, "o"), color=COLORS.get(sampler, "tab:purple"), markersize=6,
+                        fmt=marker_of.get(temp, "o"), color=color(sampler), markersize=6,
                         elinewidth=0.8, capsize=2, zorder=3)
             for _, point in points.iterrows():
                 if pd.notna(point.nfe_per_block):
@@ -179,8 +190,8 @@ def speed_quality_frontier(rows: Iterable[Row], out_dir: str | Path) -> list[Pat
                     ax.annotate(label, (point.tokens_per_s, 100 * point.value), xytext=(4, 3),
                                 textcoords="offset points", fontsize=7, color="0.25")
         present = set(others.sampler.dropna())
-        for sampler in [s for s in COLORS if s in present] + sorted(present - COLORS.keys()):  # colour = sampler
-            handles.append(Patch(color=COLORS.get(sampler, "tab:purple"), label=sampler))
+        for sampler in [s for s in samplers.names() if s in present] + sorted(present - set(samplers.names())):
+            handles.append(Patch(color=color(sampler), label=sampler))
         for temp in temps:  # marker = temperature
             handles.append(Line2D([], [], color="0.35", marker=marker_of[temp], linestyle="none", label=f"T = {temp:g}"))
 
@@ -188,19 +199,19 @@ def speed_quality_frontier(rows: Iterable[Row], out_dir: str | Path) -> list[Pat
         greedy = df[(df.task == task) & (df.model == model) & (df.sampler == "ar_greedy")]
         if not greedy.empty:
             reference = 100 * greedy.value.max()
-            ax.axhline(AR_REFERENCE_FRACTION * reference, color=COLORS["ar_greedy"], linestyle="--", linewidth=1, zorder=1)
-            handles.append(Line2D([], [], color=COLORS["ar_greedy"], linestyle="--", linewidth=1,
+            ax.axhline(AR_REFERENCE_FRACTION * reference, color=color("ar_greedy"), linestyle="--", linewidth=1, zorder=1)
+            handles.append(Line2D([], [], color=color("ar_greedy"), linestyle="--", linewidth=1,
                                   label=f"{AR_REFERENCE_FRACTION:.0%} of AR greedy"))
         greedy_timed = group[group.sampler == "ar_greedy"]
         if not greedy_timed.empty:
             ax.errorbar(greedy_timed.tokens_per_s, 100 * greedy_timed.value,
-                        yerr=100 * greedy_timed.stderr.astype(float).fillna(0.0), fmt="*", color=COLORS["ar_greedy"],
+                        yerr=100 * greedy_timed.stderr.astype(float).fillna(0.0), fmt="*", color=color("ar_greedy"),
                         markersize=12, elinewidth=0.8, capsize=2, zorder=4)
             for _, point in greedy_timed.iterrows():
                 ax.annotate("AR greedy", (point.tokens_per_s, 100 * point.value), xytext=(7, -10),
                             textcoords="offset points", fontsize=7, bbox=dict(boxstyle="square,pad=0.1", fc="white",
                                                                                ec="none", alpha=0.8))
-            handles.append(Line2D([], [], color=COLORS["ar_greedy"], marker="*", markersize=10, linestyle="none",
+            handles.append(Line2D([], [], color=color("ar_greedy"), marker="*", markersize=10, linestyle="none",
                                   label="AR greedy (reference)"))
 
         speed_accuracy = list(zip(group.tokens_per_s, 100 * group.value))

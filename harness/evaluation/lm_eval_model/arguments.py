@@ -16,7 +16,8 @@ import torch
 from blockgen.harness.checkpoints.checkpoint import CONFIG, CheckpointError
 from blockgen.harness.runtime.precision import check_dtype
 from blockgen.models.model import BlockGenConfig
-from blockgen.models.sampler_config import AR_SAMPLERS, SamplerConfig
+from blockgen.models import samplers
+from blockgen.models.sampler_config import SamplerConfig
 from blockgen.models.sampling import check_config, max_prompt_len, resolve_block_size
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None
 
     steps, ge, warmup = settings_at(name, nfe, steps, ge, warmup)
     used = resolve_block_size(config, SamplerConfig(name=name, block_size=block_size))
-    if nfe is not None and used != PAPER_BLOCK_SIZE and not name.startswith("ar_"):
+    if nfe is not None and used != PAPER_BLOCK_SIZE and not samplers.get(name).autoregressive:
         warn_once(f"nfe={nfe}: the paper's {name} variant for block size {PAPER_BLOCK_SIZE} (steps {steps}, ge {ge}, "
                   f"warmup {warmup}); this model generates with block size {used}")
     steps = steps or used
@@ -224,7 +225,7 @@ def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given:
         warn_once(f"blockgen ignores gen_kwargs {ignored}; it reads {sorted(GEN_KWARGS) + sorted(GENERIC_GEN_KWARGS)}")
     overrides = {GEN_KWARGS[k]: v for k, v in gen_kwargs.items() if k in GEN_KWARGS}
     name = overrides.get("name", base.name)
-    if name in AR_SAMPLERS:
+    if samplers.get(name).autoregressive:
         if "name" not in overrides:  # as lm-eval's hf backend: greedy unless the task asks to sample
             if greedy:
                 overrides["name"] = "ar_greedy"

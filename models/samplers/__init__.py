@@ -1,0 +1,92 @@
+"""Samplers as registered objects: each module of this folder defines one or more `Sampler` subclasses and
+registers them by name (`@register`). Everything that used to compare sampler names reads the registry
+instead: whether a sampler decodes autoregressively, whether it has informed steps, its NFE label rule, its
+model calls per block, what it is priced as, its plot colour, and the function that runs one block.
+
+The declarations are plain Python (no torch): the sampler catalogue, the cost model and the reports read
+them without loading the network code; a sampler's `block` imports what it runs when it is called.
+A new sampler is one new module here (`docs/sampling.md`, "To add a sampler"); `load()` imports every
+module of the folder once, on the first lookup.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from blockgen.models.sampler_config import SamplerConfig
+
+_REGISTRY: dict[str, "Sampler"] = {}
+_loaded = False
+
+
+class Sampler:
+    """What the rest of the project knows about a sampler, declared once. Subclasses set the class
+    attributes and override the methods whose rule differs; `block` runs one block (torch, imported lazily)."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line: `--help` texts and docs
+    autoregressive: ClassVar[bool] = False  # one token per model call at block size 1
+    informed: ClassVar[bool] = False  # predictor-corrector: reads `ge` and `warmup`
+    needs_ar_pass: ClassVar[bool] = False  # scores with the network at block size 1 (a token-causal clean stream)
+    reads_temperature: ClassVar[bool] = True  # greedy decoding does not
+    priced_as: ClassVar[str | None] = None  # priced with that sampler's measured calls (the same call per step)
+    color: ClassVar[str] = "tab:purple"  # plots
+
+    def paper_nfe_per_block(self, config: "SamplerConfig") -> int:
+        """The paper's NFE label per block (appendix D)."""
+        return 1 if self.autoregressive else config.steps
+
+    def calls_per_block(self, config: "SamplerConfig", block_size: int, eps: float = 1e-3) -> int:
+        """Model calls really made per block (per batched call, not per row)."""
+        return 1 if self.autoregressive else config.steps
+
+    def check(self, config: "SamplerConfig") -> None:
+        """Refuse settings this sampler cannot run (ValueError naming the valid choices)."""
+
+    def block(self, dec, config: "SamplerConfig", generator, trace=None, block_index: int = 0):
+        """One block of clean tokens (B, L') from the decoder's current position (models/sampling.py)."""
+        raise NotImplementedError(f"sampler {self.name!r} has no block function")
+
+
+def register(cls: type[Sampler]) -> type[Sampler]:
+    """Class decorator: register one instance of `cls` under `cls.name`; a second sampler of the same name is an
+    error naming both modules."""
+    name = cls.name
+    if name in _REGISTRY and type(_REGISTRY[name]).__module__ != cls.__module__:
+        raise ValueError(f"two samplers are registered as {name!r}: {type(_REGISTRY[name]).__module__}."
+                         f"{type(_REGISTRY[name]).__name__} and {cls.__module__}.{cls.__name__}")
+    _REGISTRY[name] = cls()
+    return cls
+
+
+def load() -> dict[str, Sampler]:
+    """Import every sampler module of this folder (once); the registry: the diffusion samplers, then the AR ones,
+    each in module-name and then registration order (choices, legends and tables list them so)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            importlib.import_module(f"{__name__}.{module.name}")
+        ordered = sorted(_REGISTRY.items(), key=lambda item: item[1].autoregressive)
+        _REGISTRY.clear()
+        _REGISTRY.update(ordered)
+    return _REGISTRY
+
+
+def names() -> tuple[str, ...]:
+    return tuple(load())
+
+
+def get(name: Any) -> Sampler:
+    """The registered sampler `name`, or a ValueError listing the registered ones."""
+    found = load().get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown sampler {name!r}; choose one of {list(names())}")
+    return found
+
+
+def autoregressive_names() -> tuple[str, ...]:
+    return tuple(n for n, s in load().items() if s.autoregressive)
