@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from blockgen.models.sampler_config import SamplerConfig
+from typing import Any, ClassVar
 
 _REGISTRY: dict[str, "Sampler"] = {}
 _loaded = False
@@ -24,7 +21,8 @@ _loaded = False
 
 class Sampler:
     """What the rest of the project knows about a sampler, declared once. Subclasses set the class
-    attributes and override the methods whose rule differs; `block` runs one block (torch, imported lazily)."""
+    attributes and override the methods whose rule differs; `block` runs one block (torch, imported lazily).
+    `config` is a `models.sampler_config.SamplerConfig`, named as a string: that module imports this one."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # one line: `--help` texts and docs
