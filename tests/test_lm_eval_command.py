@@ -250,8 +250,9 @@ def test_hook_failures_are_warnings(monkeypatch):
 def test_bad_input_is_one_message_and_the_traceback_is_on_request(tmp_path):
     """A bad input through the real `lm_eval` command: the project's message as one block at the end of
     stderr, no traceback (BLOCKGEN_TRACEBACK=1 brings it back); a near-miss argument name gets a suggestion.
-    lm-eval's own errors for another model type keep their traceback. Over 30 s beside another worker (about 35 s
-    in CI's run): three real `lm_eval` processes, each paying lm-eval's start-up; the command line is the point."""
+    lm-eval's own errors for another model type keep their traceback. Three real `lm_eval` processes (the command
+    line is the point): 19 s in CI's run at 3805f29, with lm-eval's task index cached (blockgen/lm_eval/task_index.py),
+    35-47 s before."""
     cmd = [str(BIN / "lm_eval"), "--model", "blockgen", "--tasks", "blockgen_toy_cloze", "--device", "cpu", "--model_args"]
     missing = _run([*cmd, f"pretrained={tmp_path / 'nope'}"])
     assert missing.returncode == 1 and "Traceback" not in missing.stderr, missing.stderr[-2000:]

@@ -1,0 +1,100 @@
+"""The sampler registry (models/samplers/): what it holds, its errors, and a sampler defined outside the built-in
+modules run by `generate` and read by the parts that used to compare sampler names (pricing, labels, plots)."""
+
+import pytest
+import torch
+
+from blockgen.models import samplers
+from blockgen.models.sampler_config import SamplerConfig, calls_per_block, paper_nfe_per_block
+from blockgen.models.sampling import diffusion_block, generate
+from sampling_models import tiny_model
+
+
+def test_the_built_in_samplers_and_their_declarations():
+    registry = samplers.load()
+    assert list(registry) == ["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]  # diffusion first, then AR
+    assert samplers.autoregressive_names() == ("ar_greedy", "ar_sample")
+    assert [n for n, s in registry.items() if s.informed] == ["eipc", "arpc"]
+    assert [n for n, s in registry.items() if s.needs_ar_pass] == ["arpc"]
+    assert [n for n, s in registry.items() if not s.reads_temperature] == ["ar_greedy"]
+    assert {n: s.priced_as for n, s in registry.items() if s.priced_as} == {"eipc": "ancestral", "ar_sample": "ar_greedy"}
+    assert len({s.color for s in registry.values()}) == len(registry)  # one colour each
+    assert all(s.summary for s in registry.values())
+
+
+def test_unknown_and_duplicate_names_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown sampler 'ancestrall'; choose one of \['ancestral', 'eipc'"):
+        SamplerConfig("ancestrall")
+    monkeypatch.setattr(samplers, "_REGISTRY", dict(samplers.load()))
+
+    class Impostor(samplers.Sampler):
+        name = "eipc"
+        summary = "another eipc"
+
+    with pytest.raises(ValueError, match=r"two samplers are registered as 'eipc': "
+                                         r"blockgen.models.samplers.predictor_corrector.EIPC and test_sampler_registry.Impostor"):
+        samplers.register(Impostor)
+
+
+class FirstCommitted(samplers.Sampler):
+    """A toy sampler: each step, ancestral sampling, then only the leftmost masked position keeps its draw."""
+
+    name = "toy_leftmost"
+    summary = "ancestral draws, one position committed per step, left to right"
+    priced_as = "ancestral"
+    color = "tab:olive"
+
+    def calls_per_block(self, config, block_size, eps=1e-3):
+        return config.steps
+
+    def block(self, dec, config, generator, trace=None, block_index=0):
+        from blockgen.models.sampling import _probs, ancestral_step
+
+        prior = dec.prior
+        z = dec.pin(prior.prior_sample((dec.batch, dec.block_size), device=dec.device, generator=generator))
+        for i in range(config.steps):
+            x_probs, _ = _probs(prior, dec.denoise(z), z, config.temperature)
+            drawn = ancestral_step(prior, z, x_probs, 1.0 - 1e-3, 1.0, generator)
+            masked = z == prior.mask_id
+            first = masked & (masked.cumsum(-1) == 1)
+            z = dec.pin(torch.where(first | (i == config.steps - 1) & masked, drawn, z))
+            if trace is not None:
+                trace(block_index, i, z)
+        return z
+
+
+@pytest.fixture()
+def toy(monkeypatch):
+    monkeypatch.setattr(samplers, "_REGISTRY", dict(samplers.load()))
+    samplers.register(FirstCommitted)
+    return samplers.get("toy_leftmost")
+
+
+def test_a_sampler_of_one_class_runs_everywhere_the_registry_is_read(toy):
+    model = tiny_model("masked", sizes=(1, 4))
+    config = SamplerConfig("toy_leftmost", steps=4, block_size=4, max_new_tokens=8, temperature=0.5)
+    steps = []
+    out = generate(model, [[1, 2, 3, 4], [5, 6, 7, 8]], config, eos_id=-1, pad_id=0, seeds=[3, 4],
+                   trace=lambda block, step, z: steps.append((block, step, (z == model.prior.mask_id).sum(-1).tolist())))
+    assert [len(t) for t in out.tokens] == [8, 8] and out.model_calls == 2 * 4
+    assert [masked for block, step, masked in steps] == [[3, 3], [2, 2], [1, 1], [0, 0]] * 2  # one position per step
+    alone = generate(model, [[5, 6, 7, 8]], config, eos_id=-1, pad_id=0, seeds=[4])
+    assert alone.tokens[0] == out.tokens[1]  # its randomness comes from the row's stream
+    assert (paper_nfe_per_block(config), calls_per_block(config, 4)) == (4, 4)
+
+    from blockgen.harness.evaluation.grids import sampler_label
+    from blockgen.harness.reports import plots
+
+    assert sampler_label(config) == "toy_leftmost(N4,T0.5)"
+    assert plots.color("toy_leftmost") == "tab:olive" and not plots.is_ar("toy_leftmost")
+    assert plots.color("someone_elses") == plots.OTHER_COLOR
+    from blockgen.harness.costs.rates import STORED_RATES, read_rates
+
+    rates = read_rates(STORED_RATES)
+    assert rates.call_seconds("toy_leftmost", 16, 32, "bfloat16")[0] == rates.call_seconds("ancestral", 16, 32, "bfloat16")[0]
+
+
+def test_the_built_in_block_functions_are_the_registered_ones():
+    """`generate` runs `config.sampler.block`; ancestral's is the shared diffusion loop."""
+    assert samplers.get("ancestral").block.__func__.__module__ == "blockgen.models.samplers.ancestral"
+    assert diffusion_block.__module__ == "blockgen.models.sampling"
