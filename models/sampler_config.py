@@ -6,7 +6,7 @@ read it without loading the network code (models/sampling.py runs the samplers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from blockgen.models import samplers
@@ -26,6 +26,8 @@ class SamplerConfig:
     max_new_tokens: int = 256
     seed: int = 0  # row i of a batch uses seed + i unless generate() is given per-row seeds
     layout: BlockLayout = "grid"  # blocks on the training grid, or a whole block right after the prompt
+    # The sampler's own settings (its `Sampler.options`), as sorted (name, value) pairs; unset ones take their default.
+    options: tuple[tuple[str, int | float], ...] = ()
 
     def __post_init__(self) -> None:
         sampler = samplers.get(self.name)  # an unknown name lists the registered ones
@@ -42,7 +44,26 @@ class SamplerConfig:
         if not sampler.autoregressive and self.block_size == 1:
             raise ValueError(f"block size 1 is autoregression; use sampler {' or '.join(map(repr, samplers.autoregressive_names()))}, "
                              f"not {self.name!r}")
+        declared = {o.name: o for o in sampler.options}
+        given = dict(self.options)
+        if len(given) != len(self.options) or set(given) - set(declared):
+            unknown = sorted(set(given) - set(declared)) or [name for name, _ in self.options]
+            raise ValueError(f"sampler {self.name!r} has no setting {unknown}; its own settings: {sorted(declared)}")
+        object.__setattr__(self, "options", tuple(sorted((k, declared[k].check(v)) for k, v in given.items())))
         sampler.check(self)
+
+    def as_dict(self) -> dict:
+        """The setting as a flat dict: its fields, then the sampler's own settings that were given. Seeds and records
+        are derived from it, so a setting without options reads as it did before options existed."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        return {**out, **dict(self.options)}
+
+    def option(self, name: str) -> int | float:
+        """The value of one of the sampler's own settings: as given, else its default."""
+        declared = {o.name: o for o in self.sampler.options}
+        if name not in declared:
+            raise KeyError(f"sampler {self.name!r} has no setting {name!r}")
+        return dict(self.options).get(name, declared[name].default)
 
     @property
     def sampler(self) -> samplers.Sampler:

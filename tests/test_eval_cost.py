@@ -98,8 +98,6 @@ def test_dtype_and_tf32_arguments_name_their_choices(ckpt):
 
 
 def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
-    from dataclasses import asdict
-
     from blockgen.harness.evaluation.lm_eval_model.scoring import Window, derive_seed, score_windows
     from blockgen.models.sampler_config import SamplerConfig
     from blockgen.models.sampling import generate
@@ -122,7 +120,7 @@ def test_float32_default_is_the_code_without_the_option_bit_for_bit(ckpt):
     # the fingerprint (--use_cache's table) of a float32 run is the one it had before the option
     a = default.args
     assert default.fingerprint == derive_seed(default.checkpoint_hash, a.k_mc, a.seed, a.add_bos,
-                                              asdict(default.sampler)).to_bytes(8, "little").hex()
+                                              default.sampler.as_dict()).to_bytes(8, "little").hex()
     assert _lm(ckpt, dtype="bfloat16").fingerprint != default.fingerprint
 
 

@@ -258,7 +258,7 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
     """Documents of one task whose budgets all differ share batches: ceil(n / gen_batch_size) calls of
     `generate` (gen_batch_size, not batch_size), each row within its own budget and seeded as alone
     (its seed derives from its own settings, budget included); one usage record for the setting."""
-    from dataclasses import asdict, replace
+    from dataclasses import replace
 
     from blockgen.harness.evaluation.lm_eval_model.scoring import derive_seed
 
@@ -274,7 +274,7 @@ def test_one_batch_per_setting_whatever_the_budgets(ckpts, monkeypatch):
     for req, budget, text in zip(reqs, BUDGETS, texts):
         context = req.args[0]
         prompt = lm._with_bos(lm.tok_encode(context))
-        seed = derive_seed(lm.args.seed, "generate_until", prompt, asdict(replace(lm.sampler, max_new_tokens=budget)), req.doc_id, 0)
+        seed = derive_seed(lm.args.seed, "generate_until", prompt, replace(lm.sampler, max_new_tokens=budget).as_dict(), req.doc_id, 0)
         row_budget, ids = rows[seed]
         assert row_budget == budget and len(ids) <= budget, (req.doc_id, budget, len(ids))
         assert text == lm._decode(ids)

@@ -37,12 +37,13 @@ def test_unknown_and_duplicate_names_are_refused(monkeypatch):
 
 
 class FirstCommitted(samplers.Sampler):
-    """A toy sampler: each step, ancestral sampling, then only the leftmost masked position keeps its draw."""
+    """A toy sampler: each step, ancestral sampling, then only the `lead` leftmost masked positions keep their draw."""
 
     name = "toy_leftmost"
-    summary = "ancestral draws, one position committed per step, left to right"
+    summary = "ancestral draws, `lead` positions committed per step, left to right"
     priced_as = "ancestral"
     color = "tab:olive"
+    options = (samplers.Option("lead", int, 1, "positions committed per step", low=1, high=8),)
 
     def calls_per_block(self, config, block_size, eps=1e-3):
         return config.steps
@@ -56,7 +57,7 @@ class FirstCommitted(samplers.Sampler):
             x_probs, _ = _probs(prior, dec.denoise(z), z, config.temperature)
             drawn = ancestral_step(prior, z, x_probs, 1.0 - 1e-3, 1.0, generator)
             masked = z == prior.mask_id
-            first = masked & (masked.cumsum(-1) == 1)
+            first = masked & (masked.cumsum(-1) <= config.option("lead"))
             z = dec.pin(torch.where(first | (i == config.steps - 1) & masked, drawn, z))
             if trace is not None:
                 trace(block_index, i, z)
@@ -98,3 +99,46 @@ def test_the_built_in_block_functions_are_the_registered_ones():
     """`generate` runs `config.sampler.block`; ancestral's is the shared diffusion loop."""
     assert samplers.get("ancestral").block.__func__.__module__ == "blockgen.models.samplers.ancestral"
     assert diffusion_block.__module__ == "blockgen.models.sampling"
+
+
+def test_a_samplers_own_setting_is_validated_and_travels_with_the_setting(toy):
+    """An `Option` of the toy sampler: checked by SamplerConfig, a model argument, a gen_kwargs key, a flag of
+    `blockgen sample`, part of the sweep's results label and of the seeds' record (absent when not given)."""
+    from blockgen.harness.evaluation.lm_eval_model.arguments import (BlockGenLMArgs, default_sampler, gen_kwargs_sampler,
+                                                                   sampler_model_args)
+    from blockgen.harness.evaluation.settings import Setting
+
+    assert SamplerConfig("toy_leftmost").option("lead") == 1
+    with pytest.raises(ValueError, match=r"sampler 'ancestral' has no setting \['lead'\]; its own settings: \[\]"):
+        SamplerConfig("ancestral", options=(("lead", 2),))
+    with pytest.raises(ValueError, match=r"lead=9; must be in 1 <= lead <= 8"):
+        SamplerConfig("toy_leftmost", options=(("lead", 9),))
+    with pytest.raises(ValueError, match=r"lead=1.5; must be an integer"):
+        SamplerConfig("toy_leftmost", options=(("lead", 1.5),))
+    assert "lead" not in SamplerConfig("toy_leftmost").as_dict()
+    assert SamplerConfig("toy_leftmost", options=(("lead", 2),)).as_dict()["lead"] == 2
+
+    model = tiny_model("masked", sizes=(1, 4))
+    args = BlockGenLMArgs.parse({"pretrained": "ckpt", "sampler": "toy_leftmost", "lead": 2, "block_size": 4})
+    assert "lead" in BlockGenLMArgs.user_args() and args.sampler_options == (("lead", 2),)
+    sampler = default_sampler(args, model.config)
+    assert sampler.option("lead") == 2 and sampler_model_args(sampler)["lead"] == 2
+    assert Setting("run", "ckpt", "task", sampler).label == "toy_leftmost-4-1-0-T1.0-lead2"
+    again, _ = gen_kwargs_sampler(sampler, model.config, False, {"lead": 3})
+    assert again.option("lead") == 3
+    other, _ = gen_kwargs_sampler(sampler, model.config, False, {"sampler": "ancestral"})
+    assert other.name == "ancestral" and other.options == ()
+
+    steps = []
+    generate(model, [[1, 2, 3, 4]], again, eos_id=-1, pad_id=0, seeds=[0],
+             trace=lambda block, step, z: steps.append(int((z == model.prior.mask_id).sum())))
+    assert steps[:2] == [1, 0]  # three positions committed at the first step, the last one at the second
+
+    import argparse
+
+    from blockgen.harness.evaluation import sample
+
+    parser = argparse.ArgumentParser()
+    sample.build_parser(parser)
+    assert parser.parse_args(["--checkpoint", "c", "--lead", "2"]).lead == 2
+    assert "positions committed per step (toy_leftmost; 1 <= lead <= 8, default 1)" in " ".join(parser.format_help().split())

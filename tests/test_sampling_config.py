@@ -132,14 +132,12 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert main(base + ["--nfe", "4", "--steps", "99"]) == 2
     assert "no arpc variant at NFE 4 with steps=99" in capsys.readouterr().err
     # Without --nfe or --steps: the block size, the setting lm-eval's model args give (one rule, sampler_setting)
-    from dataclasses import asdict
-
     from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, default_sampler
 
     assert main(base) == 0
     sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
     assert sampler["steps"] == 8
-    assert sampler == asdict(default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc", max_gen_toks=16), config))
+    assert sampler == default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc", max_gen_toks=16), config).as_dict()
 
 
 def test_temperature_divides_the_logits(masked):

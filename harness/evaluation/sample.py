@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
@@ -52,6 +51,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ge", type=int, default=None, help=f"an informed step every GE steps (eipc, arpc; default {defaults.ge})")
     p.add_argument("--warmup", type=int, default=None, help=f"ancestral steps before the first informed one (default {defaults.warmup})")
     p.add_argument("--temperature", type=float, default=defaults.temperature)
+    for option in samplers.options().values():  # the samplers' own settings, as each declares it
+        users = ", ".join(n for n, s in samplers.load().items() if option in s.options)
+        p.add_argument(f"--{option.name.replace('_', '-')}", type=option.kind, default=None,
+                       help=f"{option.help} ({users}; {option.range_text()}, default {option.default})")
     p.add_argument("--block-size", type=int, default=None, help="default: the largest trained block size")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--seed", type=int, default=defaults.seed, help="sample j uses seed + j")
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         # the same rule as lm-eval's --model_args (steps default to the block size, nfe picks the variant)
         config = sampler_setting(model.config, args.sampler, nfe=args.nfe, steps=args.steps, ge=args.ge, warmup=args.warmup,
                                  temperature=args.temperature, block_size=args.block_size,
-                                 max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout)
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
+                                 options=tuple((name, getattr(args, name)) for name in samplers.options()
+                                               if getattr(args, name) is not None))
         check_config(model, config)
     except (ValueError, CheckpointError, HubUnavailableError) as err:  # releases' errors are CheckpointErrors
         print(f"blockgen sample: error: {err}", file=sys.stderr)
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
               f"(paper NFE label {r['paper_nfe_per_block']}), block size {r['block_size']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"checkpoint": str(args.checkpoint), "sampler": asdict(config)}
+        meta = {"checkpoint": str(args.checkpoint), "sampler": config.as_dict()}
         with open(args.out, "w") as f:
             for r in records:
                 f.write(json.dumps({**r, **meta}) + "\n")

@@ -40,13 +40,14 @@ class Setting:
 
     @property
     def label(self) -> str:
-        """The setting's results folder: sampler-steps-ge-warmup-T<temperature>, or 'likelihood'."""
+        """The setting's results folder: sampler-steps-ge-warmup-T<temperature>[-<option><value>...], or 'likelihood'."""
         extra = dict(self.extra)
         precision = "".join(f"-{x}" for x in (extra.get("dtype"), "tf32" if extra.get("tf32") else None) if x)
         if self.sampler is None:
             return LIKELIHOOD + precision
         a = sampler_model_args(self.sampler)
-        return f"{a['sampler']}-{a['steps']}-{a['ge']}-{a['warmup']}-T{a['temperature']}{precision}"
+        own = "".join(f"-{name}{value}" for name, value in self.sampler.options)  # the sampler's own settings
+        return f"{a['sampler']}-{a['steps']}-{a['ge']}-{a['warmup']}-T{a['temperature']}{own}{precision}"
 
     def model_args(self, k_mc: int) -> dict[str, Any]:
         """The blockgen `--model_args`, as the per-process Makefile command passed them."""

@@ -13,10 +13,45 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 _REGISTRY: dict[str, "Sampler"] = {}
 _loaded = False
+
+
+@dataclass(frozen=True)
+class Option:
+    """A setting of one sampler beyond those every sampler has (steps, temperature, block size, budget, seed,
+    layout): its name is also its `--model_args` key, its `gen_kwargs` key and its `blockgen sample` flag."""
+
+    name: str
+    kind: type  # int or float
+    default: int | float
+    help: str  # one line
+    low: float | None = None  # the range, inclusive unless open
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def range_text(self) -> str:
+        low = "" if self.low is None else f"{self.low} {'<' if self.low_open else '<='} "
+        high = "" if self.high is None else f" {'<' if self.high_open else '<='} {self.high}"
+        return f"{low}{self.name}{high}"
+
+    def check(self, value: Any) -> int | float:
+        """The value as its kind, or a ValueError naming the range."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.kind is int and not (number and float(value).is_integer()):
+            raise ValueError(f"{self.name}={value!r}; must be an integer ({self.range_text()})")
+        if not number:
+            raise ValueError(f"{self.name}={value!r}; must be a number ({self.range_text()})")
+        value = self.kind(value)
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if below or above:
+            raise ValueError(f"{self.name}={value!r}; must be in {self.range_text()}")
+        return value
 
 
 class Sampler:
@@ -32,6 +67,7 @@ class Sampler:
     reads_temperature: ClassVar[bool] = True  # greedy decoding does not
     priced_as: ClassVar[str | None] = None  # priced with that sampler's measured calls (the same call per step)
     color: ClassVar[str] = "tab:purple"  # plots
+    options: ClassVar[tuple[Option, ...]] = ()  # its own settings (`SamplerConfig.options`)
 
     def paper_nfe_per_block(self, config: "SamplerConfig") -> int:
         """The paper's NFE label per block (appendix D)."""
@@ -83,6 +119,18 @@ def get(name: Any) -> Sampler:
     found = load().get(name) if isinstance(name, str) else None
     if found is None:
         raise ValueError(f"unknown sampler {name!r}; choose one of {list(names())}")
+    return found
+
+
+def options() -> dict[str, Option]:
+    """Every registered sampler's own settings by name (one declaration per name: samplers that share a setting
+    declare the same `Option`)."""
+    found: dict[str, Option] = {}
+    for sampler in load().values():
+        for option in sampler.options:
+            if found.setdefault(option.name, option) != option:
+                raise ValueError(f"setting {option.name!r} is declared twice, differently: {found[option.name]} and "
+                                 f"{option} ({sampler.name!r})")
     return found
 
 

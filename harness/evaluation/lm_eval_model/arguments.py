@@ -66,6 +66,8 @@ class BlockGenLMArgs:
     block_sizes: str | int | None = None
     block_weights: str | float | None = None
     x0_causal: bool | None = None
+    # The samplers' own settings (models/samplers/: `Sampler.options`, e.g. a threshold), by their registered names.
+    sampler_options: tuple[tuple[str, Any], ...] = ()
     # set by lm-eval from --batch_size / --device / --max_batch_size, not by the user
     batch_size: int | str = 1
     device: str | None = None
@@ -73,11 +75,16 @@ class BlockGenLMArgs:
 
     @classmethod
     def user_args(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name not in ("batch_size", "device", "max_batch_size")]
+        """The model arguments a user may give: the fields, then every registered sampler's own settings."""
+        hidden = ("batch_size", "device", "max_batch_size", "sampler_options")
+        return [f.name for f in fields(cls) if f.name not in hidden] + sorted(samplers.options())
 
     @classmethod
     def parse(cls, kwargs: dict[str, Any]) -> "BlockGenLMArgs":
-        known = {f.name for f in fields(cls)}
+        own = samplers.options()
+        sampler_options = tuple(sorted((k, v) for k, v in kwargs.items() if k in own and v is not None))
+        kwargs = {k: v for k, v in kwargs.items() if k not in own}
+        known = {f.name for f in fields(cls)} - {"sampler_options"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             import difflib
@@ -93,7 +100,7 @@ class BlockGenLMArgs:
             values["batch_size"] = _batch_size(values["batch_size"])
         if "gen_batch_size" in values:
             values["gen_batch_size"] = _gen_batch_size(values["gen_batch_size"])
-        args = cls(**values)
+        args = cls(**values, sampler_options=sampler_options)
         _check_int("k_mc", args.k_mc, 1)
         for name, low in (("seed", None), ("steps", 1), ("ge", 1), ("warmup", 0), ("nfe", 1), ("block_size", 1), ("max_gen_toks", 1)):
             if getattr(args, name) is not None:
@@ -140,7 +147,7 @@ def _gen_batch_size(value: Any) -> int:
 def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None, steps: int | None = None,
                     ge: int | None = None, warmup: int | None = None, temperature: float | None = None,
                     block_size: int | None = None, max_new_tokens: int | None = None, layout: str = "grid",
-                    seed: int = 0) -> SamplerConfig:
+                    seed: int = 0, options: tuple[tuple[str, Any], ...] = ()) -> SamplerConfig:
     """The one rule from a sampler's options on a checkpoint to a `SamplerConfig`, for lm-eval's
     ``--model_args`` (`default_sampler`) and `blockgen sample`'s flags alike: ``nfe`` picks the paper's
     variant, narrowed by any steps/ge/warmup given; otherwise steps default to the block size (one
@@ -156,7 +163,8 @@ def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None
     steps = steps or used
     return SamplerConfig(name=name, steps=steps, ge=1 if ge is None else ge, warmup=warmup or 0,
                          temperature=1.0 if temperature is None else temperature, block_size=block_size,
-                         max_new_tokens=max_new_tokens or min(256, config.seq_len // 2), seed=seed, layout=layout)
+                         max_new_tokens=max_new_tokens or min(256, config.seq_len // 2), seed=seed, layout=layout,
+                         options=tuple(options))
 
 
 def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
@@ -170,7 +178,7 @@ def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
     try:
         sampler = sampler_setting(config, name, nfe=a.nfe, steps=a.steps, ge=a.ge, warmup=a.warmup,
                                   temperature=a.temperature, block_size=a.block_size, max_new_tokens=a.max_gen_toks,
-                                  layout=a.layout)
+                                  layout=a.layout, options=a.sampler_options)
     except ValueError as err:
         raise ValueError(f"blockgen --model_args: {err}") from None
     return checked_sampler(config, sampler, "--model_args")
@@ -199,7 +207,7 @@ def sampler_model_args(sampler: SamplerConfig) -> dict[str, Any]:
         args["block_size"] = sampler.block_size
     if sampler.layout != SamplerConfig.layout:
         args["layout"] = sampler.layout
-    return args
+    return {**args, **dict(sampler.options)}
 
 
 # Generation settings a task's gen_kwargs may override, and the SamplerConfig field each one sets.
@@ -220,10 +228,15 @@ def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given:
     do_sample = gen_kwargs.pop("do_sample", None)
     temperature = gen_kwargs.get("temperature")
     greedy = do_sample is False or temperature == 0
-    ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS))
+    own = samplers.options()
+    ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS) - set(own))
     if ignored:
-        warn_once(f"blockgen ignores gen_kwargs {ignored}; it reads {sorted(GEN_KWARGS) + sorted(GENERIC_GEN_KWARGS)}")
+        warn_once(f"blockgen ignores gen_kwargs {ignored}; it reads {sorted(GEN_KWARGS) + sorted(GENERIC_GEN_KWARGS) + sorted(own)}")
     overrides = {GEN_KWARGS[k]: v for k, v in gen_kwargs.items() if k in GEN_KWARGS}
+    options = {k: v for k, v in gen_kwargs.items() if k in own}
+    if options or overrides.get("name", base.name) != base.name:  # the base's own settings belong to its sampler
+        kept = dict(base.options) if overrides.get("name", base.name) == base.name else {}
+        overrides["options"] = tuple(sorted({**kept, **options}.items()))
     name = overrides.get("name", base.name)
     if samplers.get(name).autoregressive:
         if "name" not in overrides:  # as lm-eval's hf backend: greedy unless the task asks to sample

@@ -37,7 +37,7 @@ import logging
 import os
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -221,7 +221,7 @@ class BlockGenLM(TemplateLM):
         a = self.args
         # precision only when it is not the default, so that float32 runs keep their fingerprint (and --use_cache table)
         precision = [(a.dtype, a.tf32)] if (DTYPES[a.dtype], a.tf32) != (torch.float32, False) else []
-        return derive_seed(self.checkpoint_hash, a.k_mc, a.seed, a.add_bos, asdict(self.sampler), *precision).to_bytes(8, "little").hex()
+        return derive_seed(self.checkpoint_hash, a.k_mc, a.seed, a.add_bos, self.sampler.as_dict(), *precision).to_bytes(8, "little").hex()
 
     @property
     def tokenizer_name(self) -> str:
@@ -310,7 +310,7 @@ class BlockGenLM(TemplateLM):
                 # What ran, once: the seed is `seed` above (every request's draws derive from it), and the
                 # tokens per request are each task's max_gen_toks (`tasks.<task>.generate_until.settings`), so
                 # the setting's own defaults of both are left out.
-                "sampler": {**{k: v for k, v in asdict(self.sampler).items() if k not in ("seed", "max_new_tokens")},
+                "sampler": {**{k: v for k, v in self.sampler.as_dict().items() if k not in ("seed", "max_new_tokens")},
                             "block_size": resolve_block_size(cfg, self.sampler),
                             "paper_nfe_per_block": paper_nfe_per_block(self.sampler)},
                 "nfe": self.args.nfe,  # as asked (None: steps/ge/warmup given directly)
@@ -469,7 +469,7 @@ class BlockGenLM(TemplateLM):
         room = max_prompt_len(self.config, sampler)
         dropped = max(0, len(prompt) - room)
         prompt = prompt[dropped:]
-        seed = derive_seed(self.args.seed, "generate_until", prompt, asdict(sampler), doc_id, repeat)
+        seed = derive_seed(self.args.seed, "generate_until", prompt, sampler.as_dict(), doc_id, repeat)
         ignore_eos = (gen_kwargs or {}).get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"blockgen, task {task}: gen_kwargs ignore_eos={ignore_eos!r}; must be true or false")
@@ -571,7 +571,7 @@ def _owner(req) -> tuple[str, Any, int]:
 def _batch_key(plan: _Plan) -> dict:
     """What the rows of one generation batch share: the task, whether EOS stops a row, and the sampler
     settings but the budget."""
-    return {"task": plan.task, "ignore_eos": plan.ignore_eos, **{k: v for k, v in asdict(plan.sampler).items() if k != "max_new_tokens"}}
+    return {"task": plan.task, "ignore_eos": plan.ignore_eos, **{k: v for k, v in plan.sampler.as_dict().items() if k != "max_new_tokens"}}
 
 
 def settings_record(config: BlockGenConfig, sampler: SamplerConfig) -> dict:
