@@ -522,6 +522,16 @@ class DiT(nn.Module):
         return self._run(tokens, layout.positions, mask, StaticSlots(keys, values, index, capacity), 0, n_noisy, sigma)
 
 
+def fit_inductor_to_this_cpu() -> None:
+    """Under ``ATEN_CPU_CAPABILITY=default`` (ATen's kernels without SIMD) torch 2.13's inductor still writes vectorised
+    C++ (``at::vec``) that the scalar build does not declare, and every CPU compile fails with a C++ error; scalar code
+    (``cpp.simdlen = 1``) compiles and runs. Other capabilities keep inductor's own choice."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.simdlen = 1
+
+
 @functools.cache
 def compiled_forward_static(device_type: str):
     """`DiT.forward_static` under `torch.compile`, once per process and device type. Dynamo keeps one
@@ -531,6 +541,8 @@ def compiled_forward_static(device_type: str):
     program, without graphs). Static shapes (`dynamic=False`): a new batch size or capacity compiles
     anew, up to `RECOMPILE_LIMIT` graphs (then dynamo runs it eagerly, with a warning)."""
     mode = "reduce-overhead" if device_type == "cuda" else None
+    if device_type == "cpu":
+        fit_inductor_to_this_cpu()
     compiled = torch.compile(DiT.forward_static, dynamic=False, mode=mode)
 
     def call(*args, **kwargs):

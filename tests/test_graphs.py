@@ -232,3 +232,18 @@ def test_gpu_check_compares_graphs_on_a_gpu_only(models, first_run, tmp_path):
     assert stage["graphs"]["measured"] is False and "make gpu-check" in stage["graphs"]["why"]
     assert [r["sampler"] for r in stage["runs"]] == ["ar_greedy", "arpc", "ancestral"]
     assert all("error" not in r and r["ms_per_call"] > 0 for r in stage["runs"])
+
+
+def test_inductor_writes_scalar_code_where_aten_has_no_simd(monkeypatch):
+    """`ATEN_CPU_CAPABILITY=default`: inductor's vectorised C++ does not compile there (`at::vec` undeclared, torch 2.13),
+    so CPU compiles ask for scalar code; with a SIMD capability inductor's choice stays. (Checked by hand: a compiled
+    generation of this module's micro model under that variable failed before, 24 calls after.)"""
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "simdlen", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    backbone.fit_inductor_to_this_cpu()
+    assert inductor.cpp.simdlen is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    backbone.fit_inductor_to_this_cpu()
+    assert inductor.cpp.simdlen == 1

@@ -194,6 +194,10 @@ def training_net(
     no code generation).
     """
     # static shapes: block_size is a Python int, one graph per block size
+    if compile and next(model.parameters()).device.type == "cpu":
+        from blockgen.models.backbone import fit_inductor_to_this_cpu
+
+        fit_inductor_to_this_cpu()
     net = torch.compile(model, dynamic=False, backend=backend) if compile else model
     ddp = torch.nn.parallel.DistributedDataParallel(net) if distributed else None
     return (net if ddp is None else ddp), ddp
