@@ -142,6 +142,35 @@ def test_bfloat16_is_close_to_float32_and_keeps_the_bounds_in_float(ckpt):
     assert logits.dtype == torch.float32
 
 
+BF16_ATTENTION = """
+import torch, torch.nn.functional as F
+from blockgen.harness.runtime.precision import compute_precision, cpu_kernels_have_avx512
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 4, 96, 16) for _ in range(3))
+mask = torch.ones(96, 96, dtype=torch.bool).tril()
+with compute_precision("cpu", "bfloat16"):
+    y = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask)
+exact = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+print(torch.backends.cpu.get_cpu_capability(), cpu_kernels_have_avx512(), y.dtype, float((y.float() - exact).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_bfloat16_attention_runs_where_aten_kernels_are_not_avx512(capability):
+    """torch 2.13's CPU flash attention in bf16 raises "pack_vnni2 is only supported when avx512 is supported" on
+    AVX-512 hardware when ATen's kernels are not the AVX-512 ones; there bf16 attends with the math kernel."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    out = subprocess.run([sys.executable, "-c", BF16_ATTENTION], env=env, capture_output=True, text=True, check=True)
+    name, avx512, dtype, error = out.stdout.split()
+    assert name in {capability.upper(), "DEFAULT"}  # a CPU without AVX2 runs the scalar kernels
+    assert (avx512, dtype) == ("False", "torch.bfloat16")
+    assert float(error) < 0.05  # bf16 rounding of attention outputs of size ~1
+
+
 def test_tf32_is_set_only_inside_the_model_calls():
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = False

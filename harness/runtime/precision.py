@@ -19,6 +19,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # lm-eval's names (`hf`'s dtype). "auto" is the checkpoint's own dtype: float32 for every checkpoint
 # this project writes or imports (EMA weights are saved in float32).
@@ -45,17 +46,29 @@ def enable_tf32(enabled: bool = True) -> tuple[bool, bool]:
     return previous
 
 
+def cpu_kernels_have_avx512() -> bool:
+    """Whether ATen runs its AVX-512 kernels. torch 2.13's CPU flash attention in bf16 packs its
+    matrices with an AVX-512 routine whenever the hardware has AVX-512, and raises "pack_vnni2 is only
+    supported when avx512 is supported" when ATen's kernels are not the AVX-512 ones
+    (``ATEN_CPU_CAPABILITY=avx2`` or ``default`` on such a machine); bf16 attention then takes
+    SDPA's math kernel (same result up to rounding)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 @contextlib.contextmanager
 def compute_precision(device: torch.device | str, dtype: str = "float32", tf32: bool = False) -> Iterator[None]:
     """Model calls inside run their matmuls in `dtype` (autocast; float32: no autocast at all, so the
     default is bit for bit the code without this context) and, with `tf32` on CUDA, with TF32 (the
-    flags are restored on exit)."""
+    flags are restored on exit). bf16 on a CPU whose ATen kernels are not AVX-512 attends with SDPA's
+    math kernel (`cpu_kernels_have_avx512`)."""
     device = torch.device(device)
     target = DTYPES[check_dtype(dtype)]
     autocast = (torch.autocast(device.type, dtype=target) if target != torch.float32 else contextlib.nullcontext())
+    attention = (sdpa_kernel([SDPBackend.MATH]) if device.type == "cpu" and target == torch.bfloat16
+                 and not cpu_kernels_have_avx512() else contextlib.nullcontext())
     previous = enable_tf32(True) if tf32 and device.type == "cuda" else None  # False: the process's flags, untouched
     try:
-        with autocast:
+        with autocast, attention:
             yield
     finally:
         if previous is not None:
