@@ -105,6 +105,16 @@ class RowStreams:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return RowStreams((), _keys=self.keys[rows.to(self.keys.device)], _calls=self.calls)
 
+    def fork(self, tag: int) -> "RowStreams":
+        """Streams of their own, keyed by `tag` (e.g. a block's index), their counter at 0: row i's draws from them
+        depend on (seeds[i], tag, call) only, not on how many draws its batch made before (samplers whose rows
+        make different numbers of draws)."""
+        return RowStreams((), _keys=_mix64(self.keys ^ _int64((int(tag) + 1) * _MIX1)))
+
+    def at(self, call: int) -> "RowStreams":
+        """These streams with their counter at `call` (the next draw is call `call`)."""
+        return RowStreams((), _keys=self.keys, _calls=call)
+
     def bits(self, shape: Sequence[int], device=None) -> torch.Tensor:
         """Int64 words of `shape` (shape[0] rows), the next call's draws; advances the counter."""
         shape = tuple(shape)

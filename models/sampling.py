@@ -119,6 +119,9 @@ def check_config(model: BlockGen | BlockGenConfig, config: SamplerConfig) -> int
             raise ValueError(f"this checkpoint is autoregressive (block sizes {list(sizes)}); "
                              f"choose one of {list(samplers.autoregressive_names())}")
         raise ValueError(f"sampler {config.name!r} needs a block size > 1; choose one of {usable} or an AR sampler")
+    if config.sampler.needs_untimed_network and getattr(cfg, "time_conditioning", False):
+        raise ValueError(f"sampler {config.name!r} follows no noise schedule and this network is time-conditioned; "
+                         f"choose one of {[n for n, s in samplers.load().items() if not s.needs_untimed_network]}")
     if config.sampler.needs_ar_pass:
         others = [n for n, s in samplers.load().items() if not (s.needs_ar_pass or s.autoregressive)]
         if 1 not in sizes:
@@ -191,7 +194,8 @@ class Decoder:
         self.use_cache = use_cache
         self.device = next(model.parameters()).device
         self.eps = model.schedule.eps
-        self.calls = 0
+        self.calls = 0  # batched calls: one per forward pass, whatever the rows in it
+        self.row_calls = [0] * len(prompts)  # per batch row: the calls it took part in (`take_row_calls`)
         if compile and not use_cache:
             raise ValueError("compile=True runs the cached calls compiled; it needs use_cache=True")
         self.compile = compile
@@ -251,10 +255,22 @@ class Decoder:
         tokens, mask = self.fixed
         return torch.where(mask, tokens, z)
 
-    def _call(self, tokens: torch.Tensor, layout: Layout, n_noisy: int, sigma: torch.Tensor | None = None) -> torch.Tensor:
+    def take_row_calls(self) -> list[int]:
+        """The calls each batch row took part in since the last take (then zero again)."""
+        out, self.row_calls = self.row_calls, [0] * self.batch
+        return out
+
+    def _call(self, tokens: torch.Tensor, layout: Layout, n_noisy: int, sigma: torch.Tensor | None = None,
+              rows: list[int] | None = None, counted: list[int] | None = None) -> torch.Tensor:
         """One model call on `[queued clean ; tokens]` whose last `n_noisy` tokens are noisy; returns
-        their logits. `sigma` (B,): the time conditioning, read only by time-conditioned networks (Duo)."""
+        their logits. `sigma` (B,): the time conditioning, read only by time-conditioned networks (Duo).
+        `rows`: the call computes only these batch rows (`denoise_rows`); `counted`: the rows it counts
+        for (default: those it computes)."""
         self.calls += 1
+        for r in counted if counted is not None else rows if rows is not None else range(self.batch):
+            self.row_calls[r] += 1
+        if rows is not None:
+            return self._call_rows(tokens, layout, n_noisy, rows)
         n_clean = 0
         if self.clean is not None:
             clean_tokens, clean_layout = self.clean
@@ -268,7 +284,34 @@ class Decoder:
         self.clean = None
         return self.dit.forward_cached(tokens, layout, self.cache, n_clean, **extra)
 
-    def denoise(self, z: torch.Tensor, alpha_t: float | None = None) -> torch.Tensor:
+    def _call_rows(self, tokens: torch.Tensor, layout: Layout, n_noisy: int, rows: list[int]) -> torch.Tensor:
+        """A call of some batch rows only: they attend to their rows of the cache (a copy: the call's keys are
+        not kept) or, uncached, of the clean prefix. Nothing is committed: a block's first call, which carries
+        the queued clean tokens, is always a whole-batch call."""
+        index = torch.tensor(rows, device=self.device)
+        if self.use_cache:
+            if self.clean is not None:
+                raise RuntimeError("a call of some rows cannot commit the queued clean tokens of all rows")
+            return self.dit.forward_cached(tokens, layout, self.cache.select(index), 0, n_noisy=n_noisy)
+        if self.clean is not None:
+            clean_tokens, clean_layout = self.clean
+            tokens = torch.cat([clean_tokens[index], tokens], dim=1)
+            layout = Layout(*(f[index] for f in clean_layout._fields())).cat(layout)
+        return self.dit.forward_cached(tokens, layout, KVCache(), 0, n_noisy=n_noisy)
+
+    def denoise_rows(self, z: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits (len(rows), L', V) of the noisy blocks of some batch rows (z: (B, L'), every row's); the other rows
+        sit out the call and are not counted in it (`row_calls`). Compiled decoding keeps its shapes: it computes
+        the whole batch and counts `rows` only."""
+        if len(rows) == self.batch:
+            return self.denoise(z)
+        index = torch.tensor(rows, device=self.device)
+        if self.compile:
+            return self.denoise(z, counted=rows)[index]
+        start = self.next_pos[index]
+        return self._call(z[index], _rows(len(rows), start, z.shape[1], start, noisy=True), z.shape[1], rows=rows)
+
+    def denoise(self, z: torch.Tensor, alpha_t: float | None = None, counted: list[int] | None = None) -> torch.Tensor:
         """Logits (B, L', V) of the noisy block z at the current position (block size L'); `alpha_t`:
         the step's noise level, embedded as sigma = -log alpha_t by time-conditioned networks."""
         if self._noisy_layout is None or self._noisy_layout.positions.shape[1] != z.shape[1]:
@@ -276,7 +319,7 @@ class Decoder:
         sigma = None
         if alpha_t is not None and self.dit.cfg.time_conditioning:
             sigma = torch.full((self.batch,), -math.log(alpha_t), device=self.device)
-        return self._call(z, self._noisy_layout, z.shape[1], sigma)
+        return self._call(z, self._noisy_layout, z.shape[1], sigma, counted=counted)
 
     def ar_pass(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, noisy tokens) of the AR pass (block size 1) over a clean proposal x (B, L').
@@ -316,6 +359,7 @@ class Decoder:
         self.next_pos = self.next_pos[rows]
         self._noisy_layout = self._ar_layout = None
         self.tail_lens = [self.tail_lens[r] for r in rows.tolist()]
+        self.row_calls = [self.row_calls[r] for r in rows.tolist()]
         if self.fixed is not None:
             self.fixed = (self.fixed[0][rows], self.fixed[1][rows])
 
@@ -394,6 +438,57 @@ def diffusion_block(dec: Decoder, config: SamplerConfig, generator: Randomness, 
     return z
 
 
+def entropy(log_p: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each distribution (..., V) given as log-probabilities; 0 log 0 = 0."""
+    return -torch.special.xlogy(log_p.exp(), log_p.exp()).sum(-1)
+
+
+def on_score_grid(score: torch.Tensor) -> torch.Tensor:
+    """Scores rounded to `SCORE_GRID`: compared and ranked there, float noise ties exactly."""
+    return torch.round(score / SCORE_GRID) * SCORE_GRID
+
+
+def unmasking_block(dec: Decoder, config: SamplerConfig, generator: RowStreams, trace=None, block_index: int = 0) -> torch.Tensor:
+    """One block by a sampler that commits positions rather than following a noise schedule (the field's
+    parallel decoders: models/samplers/confidence_threshold.py, low_confidence.py, entropy_bounded.py).
+
+    Each step, one call on the rows that still have undecided positions (the rows done sit out: `denoise_rows`);
+    every undecided position draws a token x from the tempered denoiser; the sampler's `plan` says how many k of
+    them to commit and in what order (lowest key first, keys on `SCORE_GRID`, ties to the lower position); the k
+    first take their draw and are decided, the others stay as they were: [MASK] for the masked prior, the prior's
+    uniform draw for the uniform prior (committing from the proposal; their noisy token is what the denoiser
+    reads). The block ends when a row has no undecided position, so a row's calls per block vary (adaptive
+    samplers). A grid layout's prompt tail is decided from the start. Draws come from `generator.fork(block)`
+    at call `step + 1` (the block's prior draw: call 0), so a row's draws do not depend on how many steps the
+    other rows of its batch took.
+    """
+    sampler, prior = config.sampler, dec.prior
+    streams = generator.fork(block_index)
+    z = dec.pin(prior.prior_sample((dec.batch, dec.block_size), device=dec.device, generator=streams.at(0)))
+    undecided = torch.ones(dec.batch, dec.block_size, dtype=torch.bool, device=dec.device)
+    if dec.fixed is not None:
+        undecided &= ~dec.fixed[1]
+    generated = torch.tensor(dec.generated, device=dec.device)
+    step = 0
+    while rows := [r for r, left in enumerate(to_host(undecided.any(-1))) if left]:  # one read per step: k varies
+        index = torch.tensor(rows, device=dec.device)
+        z_rows, open_rows = z[index], undecided[index]
+        logits = dec.denoise_rows(z, rows)
+        log_p = tempered_log_probs(prior, logits, z_rows, config.temperature)
+        x = sample_categorical(log_p.exp(), streams.select(rows).at(step + 1))
+        # Confidence as LLaDA and Fast-dLLM read it: the untempered probability of the drawn token.
+        confidence = prior.denoiser_log_probs(logits, z_rows).gather(-1, x[..., None])[..., 0].exp()
+        key, k = sampler.plan(config, step, on_score_grid(confidence), on_score_grid(entropy(log_p)), open_rows,
+                              generated[index])
+        chosen = _lowest(key.masked_fill(~open_rows, torch.inf), k) & open_rows
+        z[index] = torch.where(chosen, x, z_rows)
+        undecided[index] = open_rows & ~chosen
+        if trace is not None:
+            trace(block_index, step, z)
+        step += 1
+    return z
+
+
 def ar_token(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=None, block_index: int = 0,
              greedy: bool = False) -> torch.Tensor:
     """One token per row by autoregression (block size 1): greedy or sampled at a temperature."""
@@ -415,11 +510,26 @@ def ar_token(dec: Decoder, config: SamplerConfig, generator: Randomness, trace=N
 class GenerationResult:
     tokens: list[list[int]]  # generated ids per prompt (EOS and anything after it excluded)
     model_calls: int  # forward passes really made (a batched call counts once)
-    model_calls_per_block: float  # model_calls / n_blocks (the same for every block: the schedule is fixed)
-    paper_nfe_per_block: int  # the paper's NFE label (appendix D)
+    model_calls_per_block: float  # model_calls / n_blocks (per block of the batch loop)
+    paper_nfe_per_block: int | None  # the paper's NFE label (appendix D); None: adaptive, measured per row
     block_size: int = 0
     n_blocks: int = 0  # block iterations of the batch loop
     finish_reasons: list[str] = field(default_factory=list)  # per prompt: "eos", "stop" or "length"
+    # Per prompt: the calls it took part in, its blocks, and its most calls in one block. A fixed schedule gives
+    # every row the same calls per block; an adaptive sampler's rows differ (rows done sit out the calls).
+    row_calls: list[int] = field(default_factory=list)
+    row_blocks: list[int] = field(default_factory=list)
+    row_max_calls_per_block: list[int] = field(default_factory=list)
+
+    @property
+    def calls_per_block_per_row(self) -> float:
+        """Mean model calls per block of one row (an adaptive sampler's NFE)."""
+        return sum(self.row_calls) / sum(self.row_blocks) if sum(self.row_blocks) else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens (never the prompt) per model call of a row."""
+        return sum(map(len, self.tokens)) / sum(self.row_calls) if sum(self.row_calls) else 0.0
 
 
 @torch.inference_mode()
@@ -479,7 +589,7 @@ def generate(
     paper = paper_nfe_per_block(config)
     n = len(prompts)
     if n == 0:
-        return GenerationResult([], 0, 0.0, paper, block_size, 0, [])
+        return GenerationResult([], 0, 0.0, paper, block_size, 0, [], [], [], [])
     stops = list(stop) if isinstance(stop, Sequence) else [stop] * n
     if len(stops) != n:
         raise ValueError(f"got {len(stops)} stop callbacks for {n} prompts")
@@ -507,7 +617,8 @@ def generate(
                 for p, s, seed, limit in zip(prompts, stops, seeds, limits)]
         calls, blocks = sum(r.model_calls for r in rows), sum(r.n_blocks for r in rows)
         return GenerationResult([r.tokens[0] for r in rows], calls, calls / blocks, paper, block_size, blocks,
-                                [r.finish_reasons[0] for r in rows])
+                                [r.finish_reasons[0] for r in rows], [r.row_calls[0] for r in rows],
+                                [r.row_blocks[0] for r in rows], [r.row_max_calls_per_block[0] for r in rows])
     generator = RowStreams(seeds)
 
     was_training = model.training
@@ -524,17 +635,22 @@ def generate(
         running = [True] * n  # per batch row: False once it finished but stays in the batch (compile)
         out: list[list[int]] = [[] for _ in range(n)]
         reasons = ["length"] * n
+        row_calls, row_blocks, row_max = [0] * n, [0] * n, [0] * n
         blocks = 0
         for j in range(max(need)):
             skip = dec.tail_lens  # the prompt's tail opens the first block: not generated
             block = sample_block(dec, config, generator, trace, j)
             blocks += 1
             dec.commit(block)
+            calls = dec.take_row_calls()
             keep = []
             for r, row in enumerate(to_host(block)):  # the block's one read-back
                 if not running[r]:
                     continue
                 i = active[r]
+                row_calls[i] += calls[r]
+                row_blocks[i] += 1
+                row_max[i] = max(row_max[i], calls[r])
                 new = row[skip[r] :][: limits[i] - len(out[i])]
                 if eos_id in new:
                     out[i] += new[: new.index(eos_id)]
@@ -564,4 +680,5 @@ def generate(
                     running = [True] * len(keep)
     finally:
         model.train(was_training)
-    return GenerationResult(out, dec.calls, dec.calls / blocks, paper, block_size, blocks, reasons)
+    return GenerationResult(out, dec.calls, dec.calls / blocks, paper, block_size, blocks, reasons, row_calls, row_blocks,
+                            row_max)

@@ -12,8 +12,13 @@ from sampling_models import tiny_model
 
 def test_the_built_in_samplers_and_their_declarations():
     registry = samplers.load()
-    assert list(registry) == ["ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"]  # diffusion first, then AR
+    # the paper's diffusion samplers, the field's position-committing ones, then AR
+    assert list(registry) == ["ancestral", "eipc", "arpc", "confidence_threshold", "entropy_bounded", "low_confidence",
+                              "ar_greedy", "ar_sample"]
     assert samplers.autoregressive_names() == ("ar_greedy", "ar_sample")
+    assert [n for n, s in registry.items() if s.adaptive] == ["confidence_threshold", "entropy_bounded"]
+    assert [n for n, s in registry.items() if s.needs_untimed_network] == ["confidence_threshold", "entropy_bounded",
+                                                                             "low_confidence"]
     assert [n for n, s in registry.items() if s.informed] == ["eipc", "arpc"]
     assert [n for n, s in registry.items() if s.needs_ar_pass] == ["arpc"]
     assert [n for n, s in registry.items() if not s.reads_temperature] == ["ar_greedy"]

@@ -80,7 +80,8 @@ def test_configs_checked_against_the_model(masked):
         check_config(tiny_model(sizes=(4, 8)), SamplerConfig("ar_greedy"))
     with pytest.raises(ValueError, match="seq_len"):
         generate(masked, [[1] * 60], SamplerConfig("ancestral", max_new_tokens=8), eos_id=-1, pad_id=0)
-    assert set(samplers.names()) == {"ancestral", "eipc", "arpc", "ar_greedy", "ar_sample"}
+    assert set(samplers.names()) == {"ancestral", "eipc", "arpc", "confidence_threshold", "entropy_bounded",
+                                     "low_confidence", "ar_greedy", "ar_sample"}
 
 
 def test_cli_samples_a_checkpoint(tmp_path, capsys):

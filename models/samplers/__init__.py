@@ -66,15 +66,17 @@ class Sampler:
     needs_ar_pass: ClassVar[bool] = False  # scores with the network at block size 1 (a token-causal clean stream)
     reads_temperature: ClassVar[bool] = True  # greedy decoding does not
     priced_as: ClassVar[str | None] = None  # priced with that sampler's measured calls (the same call per step)
+    adaptive: ClassVar[bool] = False  # calls per block vary by row and block: NFE is measured, not a label
+    needs_untimed_network: ClassVar[bool] = False  # follows no noise schedule: a time-conditioned network has no time
     color: ClassVar[str] = "tab:purple"  # plots
     options: ClassVar[tuple[Option, ...]] = ()  # its own settings (`SamplerConfig.options`)
 
-    def paper_nfe_per_block(self, config: "SamplerConfig") -> int:
-        """The paper's NFE label per block (appendix D)."""
-        return 1 if self.autoregressive else config.steps
+    def paper_nfe_per_block(self, config: "SamplerConfig") -> int | None:
+        """The paper's NFE label per block (appendix D); None for an adaptive sampler (its NFE is measured)."""
+        return None if self.adaptive else 1 if self.autoregressive else config.steps
 
     def calls_per_block(self, config: "SamplerConfig", block_size: int, eps: float = 1e-3) -> int:
-        """Model calls really made per block (per batched call, not per row)."""
+        """Model calls really made per block (per batched call, not per row); an adaptive sampler: its most."""
         return 1 if self.autoregressive else config.steps
 
     def check(self, config: "SamplerConfig") -> None:
@@ -83,6 +85,26 @@ class Sampler:
     def block(self, dec, config: "SamplerConfig", generator, trace=None, block_index: int = 0):
         """One block of clean tokens (B, L') from the decoder's current position (models/sampling.py)."""
         raise NotImplementedError(f"sampler {self.name!r} has no block function")
+
+
+class PositionCommitting(Sampler):
+    """A sampler of the field's parallel decoders: each step commits some undecided positions of the block to
+    tokens drawn from the denoiser and leaves the others as they are (`models.sampling.unmasking_block`).
+    `plan` is its rule: how many positions each row commits at this step, and in what order."""
+
+    needs_untimed_network = True
+
+    def plan(self, config, step: int, confidence, entropy, undecided, generated):
+        """(key, k): commit the k[b] undecided positions of row b of lowest key (ties: the lower position).
+        `confidence` (r, L'): the untempered probability of each position's draw; `entropy`: of its tempered
+        distribution (both on the score grid); `undecided` (r, L') bool; `generated` (r,): the positions the
+        row generates in this block; `step`: the block's step, from 0."""
+        raise NotImplementedError
+
+    def block(self, dec, config, generator, trace=None, block_index=0):
+        from blockgen.models.sampling import unmasking_block
+
+        return unmasking_block(dec, config, generator, trace, block_index)
 
 
 def register(cls: type[Sampler]) -> type[Sampler]:
@@ -97,14 +119,15 @@ def register(cls: type[Sampler]) -> type[Sampler]:
 
 
 def load() -> dict[str, Sampler]:
-    """Import every sampler module of this folder (once); the registry: the diffusion samplers, then the AR ones,
-    each in module-name and then registration order (choices, legends and tables list them so)."""
+    """Import every sampler module of this folder (once); the registry: the paper's diffusion samplers, the field's
+    position-committing ones, then the AR ones, each in module-name and then registration order (choices, legends
+    and tables list them so)."""
     global _loaded
     if not _loaded:
         _loaded = True
         for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             importlib.import_module(f"{__name__}.{module.name}")
-        ordered = sorted(_REGISTRY.items(), key=lambda item: item[1].autoregressive)
+        ordered = sorted(_REGISTRY.items(), key=lambda item: (item[1].autoregressive, isinstance(item[1], PositionCommitting)))
         _REGISTRY.clear()
         _REGISTRY.update(ordered)
     return _REGISTRY
