@@ -357,18 +357,25 @@ def _pct(share: float | None) -> str:
 
 
 def print_table(rows) -> None:
-    """Accuracy (± standard error), speed and calls per model and sampler setting; NLL per model."""
+    """Accuracy (± standard error), NFE, speed and calls per model and sampler setting; NLL per model. NFE: the
+    paper's label, or an adaptive sampler's mean calls per block of a row; calls/blk: a row's mean and most;
+    tok/fwd: generated tokens per model call of a row; tok/s: generated tokens per second."""
+    from blockgen.harness.reports.leaderboard import nfe_text
+
     acc = sorted((r for r in rows if r.metric == "exact_match"),
                  key=lambda r: (r.model, r.temperature or 0, r.nfe_per_block or 0, r.sampler or ""))
-    header = f"{'model':<16} {'sampler':<10} {'T':>4} {'NFE':>4} {'N,GE,W':>8} {'accuracy':>16} {'calls/blk':>9} {'tok/s':>7}"
+    header = (f"{'model':<16} {'sampler':<20} {'T':>4} {'NFE':>5} {'setting':>12} {'accuracy':>16} {'calls/blk':>10} "
+              f"{'tok/fwd':>7} {'tok/s':>7}")
     print(header)
     print("-" * len(header))
     for r in acc:
-        settings = "" if r.sampler.startswith("ar_") else f"{r.steps},{r.ge},{r.warmup}"
+        own = ",".join(f"{k}={v:g}" for k, v in (r.options or {}).items())
+        settings = "" if r.sampler.startswith("ar_") else own or f"{r.steps},{r.ge},{r.warmup}"
         temp = "" if r.sampler == "ar_greedy" else f"{r.temperature:g}"
-        nfe = "" if r.nfe_per_block is None else str(r.nfe_per_block)
-        print(f"{r.model:<16} {r.sampler:<10} {temp:>4} {nfe:>4} {settings:>8} "
-              f"{_pct(r.value):>7} ± {_pct(r.stderr):>6} {r.model_calls_per_block or 0:>9.2f} {r.tokens_per_s or 0:>7.0f}")
+        mean = r.calls_per_block_per_row if r.calls_per_block_per_row is not None else r.model_calls_per_block or 0
+        calls = f"{mean:.2f}/{r.max_calls_per_block}" if r.max_calls_per_block is not None else f"{mean:.2f}"
+        print(f"{r.model:<16} {r.sampler:<20} {temp:>4} {nfe_text(r.nfe_per_block):>5} {settings:>12} "
+              f"{_pct(r.value):>7} ± {_pct(r.stderr):>6} {calls:>10} {r.tokens_per_forward or 0:>7.2f} {r.tokens_per_s or 0:>7.0f}")
     nll = [r for r in rows if r.task == "wordproblems_validation_nll"]
     for model in dict.fromkeys(r.model for r in nll):
         parts = ", ".join(f"{r.metric.removeprefix('nll_')} {r.value:.4f}" for r in nll if r.model == model)

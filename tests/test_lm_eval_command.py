@@ -179,7 +179,7 @@ def test_lm_eval_bad_model_args_fail_early(ckpts, tmp_path):
     proc = _run([str(BIN / "lm_eval"), "--model", "blockgen", "--model_args",
                  f"pretrained={ckpts['mixture']},sampler=nope", "--tasks", "blockgen_toy_cloze", "--limit", "1"])
     assert proc.returncode != 0
-    assert "unknown sampler 'nope'; choose one of ['ancestral', 'eipc', 'arpc', 'ar_greedy', 'ar_sample']" in proc.stderr
+    assert "unknown sampler 'nope'; choose one of ['ancestral', 'eipc', 'arpc', 'confidence_threshold', 'entropy_bounded', 'low_confidence', 'ar_greedy', 'ar_sample']" in proc.stderr
 
 
 def test_hook_leaves_hf_model_working(ckpts, tmp_path):

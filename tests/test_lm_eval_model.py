@@ -156,7 +156,7 @@ def test_bad_model_args_name_the_choices(ckpts, tmp_path):
 
     cls = get_model("blockgen")
     cases = {
-        "sampler=bogus": "choose one of ['ancestral', 'eipc', 'arpc', 'ar_greedy', 'ar_sample']",
+        "sampler=bogus": "choose one of ['ancestral', 'eipc', 'arpc', 'confidence_threshold', 'entropy_bounded', 'low_confidence', 'ar_greedy', 'ar_sample']",
         "block_size=4": "choose one of [1, 8]",
         "steps=0": "steps=0; must be an integer >= 1",
         "k_mc=0": "k_mc=0; must be an integer >= 1",

@@ -45,7 +45,8 @@ def test_sampler_round_trips_through_the_adapters_model_args(lm):
     for sampler in samplers():
         args = {**sampler_model_args(sampler), "max_gen_toks": sampler.max_new_tokens}
         parsed = BlockGenLMArgs.parse({"pretrained": str(CHECKPOINT), **args})
-        assert {k: getattr(parsed, k) for k in args} == args  # every argument typed and kept as given
+        own = dict(parsed.sampler_options)  # the sampler's own settings (models/samplers/), e.g. a threshold
+        assert {k: own[k] if k in own else getattr(parsed, k) for k in args} == args  # every argument typed and kept
         back = lm.with_settings(**args).sampler
         # AR decoding makes one call per token: it reads neither steps nor (greedy) the temperature
         expected = replace(sampler, steps=back.steps) if sampler.is_ar else sampler
@@ -74,3 +75,31 @@ def test_model_args_are_one_spelling_of_a_setting():
         steps, ge, warmup = (args[k] for k in ("steps", "ge", "warmup"))
         sampler = SamplerConfig(args["sampler"], steps=steps, ge=ge, warmup=warmup, temperature=args["temperature"])
         assert sampler_model_args(sampler) == args
+
+
+def test_gen_kwargs_that_change_the_sampler_or_block_size_keep_the_nfe_the_model_args_asked_for():
+    """nfe=N in the model arguments, then a task's gen_kwargs naming a block size or another sampler: the NFE stays N
+    (a new block size keeps the variant; a new sampler takes its own paper variant at N, a sampler without variants N
+    steps), where it used to reset steps to the block size and keep the old variant's ge and warm-up."""
+    from blockgen.harness.evaluation.lm_eval_model.arguments import default_sampler, gen_kwargs_sampler
+    from blockgen.models.sampler_config import paper_nfe_per_block
+    from sampling_models import tiny_model
+
+    config = tiny_model(sizes=(1, 4, 16)).config
+
+    def base(**model_args):
+        args = BlockGenLMArgs.parse({"pretrained": "-", **model_args})
+        return default_sampler(args, config), args
+
+    ancestral, args = base(sampler="ancestral", nfe=8)
+    smaller, _ = gen_kwargs_sampler(ancestral, config, args.steps is not None, {"block_size": 4}, nfe=args.nfe)
+    assert (smaller.block_size, smaller.steps, paper_nfe_per_block(smaller)) == (4, 8, 8)
+    arpc, args = base(sampler="arpc", nfe=8)
+    assert (arpc.steps, arpc.ge, arpc.warmup) == (6, 3, 0)
+    eipc, _ = gen_kwargs_sampler(arpc, config, False, {"sampler": "eipc"}, nfe=8)
+    assert (eipc.name, eipc.steps, eipc.ge, eipc.warmup, paper_nfe_per_block(eipc)) == ("eipc", 8, 3, 0, 8)
+    low, _ = gen_kwargs_sampler(arpc, config, False, {"sampler": "low_confidence"}, nfe=8)
+    assert (low.steps, low.ge, low.warmup) == (8, 1, 0)
+    # without nfe, as before: steps follow the block size of a new sampler or block size
+    plain, args = base(sampler="ancestral")
+    assert gen_kwargs_sampler(plain, config, False, {"block_size": 4})[0].steps == 4

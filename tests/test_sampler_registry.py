@@ -22,7 +22,9 @@ def test_the_built_in_samplers_and_their_declarations():
     assert [n for n, s in registry.items() if s.informed] == ["eipc", "arpc"]
     assert [n for n, s in registry.items() if s.needs_ar_pass] == ["arpc"]
     assert [n for n, s in registry.items() if not s.reads_temperature] == ["ar_greedy"]
-    assert {n: s.priced_as for n, s in registry.items() if s.priced_as} == {"eipc": "ancestral", "ar_sample": "ar_greedy"}
+    assert {n: s.priced_as for n, s in registry.items() if s.priced_as} == {"eipc": "ancestral", "confidence_threshold": "ancestral",
+                                                                       "entropy_bounded": "ancestral",
+                                                                       "low_confidence": "ancestral", "ar_sample": "ar_greedy"}
     assert len({s.color for s in registry.values()}) == len(registry)  # one colour each
     assert all(s.summary for s in registry.values())
 
@@ -147,3 +149,89 @@ def test_a_samplers_own_setting_is_validated_and_travels_with_the_setting(toy):
     sample.build_parser(parser)
     assert parser.parse_args(["--checkpoint", "c", "--lead", "2"]).lead == 2
     assert "positions committed per step (toy_leftmost; 1 <= lead <= 8, default 1)" in " ".join(parser.format_help().split())
+
+
+# ------------------------------------------------------------------ a sampler from another package (entry points)
+
+PLUG_IN = '''"""A sampler of one's own, in a package of its own: one module, registered through the entry point group
+`blockgen.samplers` (its dist-info's entry_points.txt)."""
+
+import torch
+
+from blockgen.models.samplers import Option, register
+from blockgen.models.samplers.position_committing import PositionCommitting
+
+
+@register
+class LeftToRight(PositionCommitting):
+    name = "toy_left_to_right"
+    summary = "commits the `lead` leftmost undecided positions of a block per step"
+    adaptive = True  # its calls per block follow the positions a row generates in it
+    priced_as = "ancestral"
+    color = "tab:olive"
+    options = (Option("lead", int, 2, "positions committed per step", low=1, high=64),)
+
+    def plan(self, config, step, confidence, entropy, undecided, generated):
+        position = torch.arange(undecided.shape[-1], device=undecided.device).expand(undecided.shape).double()
+        return position, torch.full_like(generated, config.option("lead"))
+'''
+
+
+def _plug_in(folder) -> dict:
+    """The plug-in installed as pip would leave it (a module and its dist-info) in `folder`; the environment that
+    puts it on the path."""
+    import os
+
+    (folder / "toy_sampler.py").write_text(PLUG_IN)
+    info = folder / "toy_sampler-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-sampler\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[blockgen.samplers]\ntoy_left_to_right = toy_sampler\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def test_a_sampler_plug_in_runs_through_lm_eval_a_sweep_a_leaderboard_row_and_a_plot(ckpts, tmp_path):
+    """One module outside this project, found through its entry point: the real `lm_eval --model blockgen` runs it
+    with its own setting, a sweep's dry run prices it, a leaderboard row and a plot show it at its measured NFE."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    env = _plug_in(tmp_path)
+    bin_dir = Path(sys.executable).parent
+    out = tmp_path / "out"
+    proc = subprocess.run([str(bin_dir / "lm_eval"), "--model", "blockgen", "--model_args",
+                           f"pretrained={ckpts['mixture']},sampler=toy_left_to_right,lead=3,temperature=0.5",
+                           "--tasks", "blockgen_toy_gen", "--limit", "4", "--output_path", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results,) = out.rglob("results_*.json")
+    (record,) = json.loads(results.read_text())["config"]["blockgen"]["tasks"]["blockgen_toy_gen"]["generate_until"]["settings"]
+    block = record["block_size"]
+    assert (record["sampler"], record["lead"], record["paper_nfe_per_block"]) == ("toy_left_to_right", 3, None)
+    assert record["max_calls_per_block"] == math.ceil(block / 3)  # a whole block: ceil(8 / 3) calls
+    assert 1 <= record["calls_per_block_per_row"] <= math.ceil(block / 3)
+    assert record["tokens_per_forward"] == pytest.approx(record["generated_tokens"] / record["row_calls"])
+
+    dry = subprocess.run([str(bin_dir / "blockgen"), "sweep", "gsm8k-embedded", "--dry-run", "--models", "masked-mix",
+                          "--add-sampler", "sampler=toy_left_to_right,lead=3"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0, dry.stderr
+    (line,) = [l for l in dry.stdout.splitlines() if "toy_left_to_right" in l]
+    assert "-lead3" in line and "CPU-s" in line and "adaptive sampler: priced at its most calls" in line
+
+    board = tmp_path / "board.json"
+    for command in (["leaderboard", "add", str(results), "--to", str(board), "--model", "toy-mixture"],
+                    ["leaderboard", "plot", str(board), "--out-dir", str(tmp_path / "plots")]):
+        done = subprocess.run([str(bin_dir / "blockgen"), *command], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+    (row,) = [r for r in json.loads(board.read_text())["rows"] if r["metric"] == "exact_match"]
+    assert row["sampler"] == "toy_left_to_right" and row["options"] == {"lead": 3}
+    assert row["nfe_per_block"] == pytest.approx(record["calls_per_block_per_row"])  # the NFE its rows really took
+    (png,) = (tmp_path / "plots").glob("accuracy_vs_nfe_*.png")
+    with Image.open(png) as image:
+        assert image.size[0] > 400 and len(image.convert("RGB").getcolors(1 << 24)) > 10  # a drawn plot, not a blank

@@ -294,8 +294,11 @@ def test_demo_sweep_matches_the_paper_nfe_labels():
     for nfe, variants in DIFFUSION_VARIANTS.items():
         assert all(paper_nfe_per_block(v) == nfe for v in variants)
     mixture = samplers_for((1, 16), (1.0, 0.1), (4, 8, 16))
-    assert len(mixture) == 2 * 3 * 3 + 1 and mixture[-1].name == "ar_greedy"
-    assert {s.name for s in samplers_for((16,), (0.1,), (4,))} == {"ancestral", "eipc"}  # ARPC needs block size 1
+    # per temperature: 3 NFEs x (ancestral, EIPC, ARPC), then the field's samplers at two settings each
+    assert len(mixture) == 2 * 3 * 3 + 2 * 6 + 1 and mixture[-1].name == "ar_greedy"
+    assert [s.name for s in mixture[18:24]] == ["confidence_threshold"] * 2 + ["entropy_bounded"] * 2 + ["low_confidence"] * 2
+    assert {s.name for s in samplers_for((16,), (0.1,), (4,))} == {  # ARPC needs block size 1
+        "ancestral", "eipc", "confidence_threshold", "entropy_bounded", "low_confidence"}
     assert [(s.name, s.temperature) for s in samplers_for((1,), (1.0,), (4,))] == [("ar_greedy", 1.0), ("ar_sample", 1.0)]
     with pytest.raises(ValueError, match="choose from"):
         DemoConfig(nfes=(5,))

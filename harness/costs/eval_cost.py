@@ -87,8 +87,13 @@ class Price:
     derived: float = 0.0  # the part of `seconds` priced by the FLOP bound, for want of a measured rate
 
 
+# An adaptive sampler's calls per block depend on the model and the data; before it runs it is priced at its most.
+ADAPTIVE_NOTE = "adaptive sampler: priced at its most calls, one per position of a block (its results give the mean)"
+
+
 def generation_calls(sampler: SamplerConfig, block: int, new_tokens: int) -> tuple[Kind, int]:
-    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows in blocks of `block` (no early stop)."""
+    """(kind, model calls) to generate `new_tokens` tokens of one batch of rows in blocks of `block` (no early stop;
+    an adaptive sampler at its most: `ADAPTIVE_NOTE`)."""
     if sampler.is_ar:
         return "ar", new_tokens
     return "diffusion", calls_per_block(sampler, block) * math.ceil(new_tokens / block)
@@ -299,5 +304,6 @@ def plan_cost(name: str, task: str, sampler: SamplerConfig | None, k_mc: int, li
         gen = n * forward_seconds(stream, new_tokens * (2 if two_stream else 1))
         return FullScalePlan(work, model_s=gen, what=f"{n} x {new_tokens} tokens, one per call", **plan)
     per_call = forward_seconds(stream, (2 * block) if two_stream else block)  # a block and the committed one
+    note = f" ({ADAPTIVE_NOTE})" if sampler.sampler.adaptive else ""
     return FullScalePlan(work, model_s=n * calls * per_call,
-                         what=f"{n} x {calls} calls of {block}-token blocks", **plan)
+                         what=f"{n} x {calls} calls of {block}-token blocks{note}", **plan)

@@ -58,6 +58,7 @@ class Grid:
     ancestral_nfe: tuple[int, ...]
     eipc: tuple[SamplerConfig, ...]  # the paper's variants (sampler_grid.GRID), at temperature 1
     arpc: tuple[SamplerConfig, ...]
+    field: tuple[SamplerConfig, ...] = ()  # the field's samplers (models/samplers/), on every diffusion model
     k_mc: int = 8
     limit: int | None = None
     batch_size: int = 32
@@ -97,25 +98,43 @@ DEMO_VARIANTS: dict[int, tuple[SamplerConfig, ...]] = {n: tuple(pick(name, n) fo
 DEMO_MAX_GEN_TOKS = 80
 
 
-def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...]) -> list[SamplerConfig]:
+def _field(thresholds: Iterable[float], bounds: Iterable[float], nfes: Iterable[int]) -> tuple[SamplerConfig, ...]:
+    """The field's samplers at some settings: confidence thresholds, entropy bounds, low-confidence NFEs."""
+    return (*(SamplerConfig("confidence_threshold", options=(("threshold", t),)) for t in thresholds),
+            *(SamplerConfig("entropy_bounded", options=(("entropy_bound", b),)) for b in bounds),
+            *(SamplerConfig("low_confidence", steps=n) for n in nfes))
+
+
+# The demo's and the offline grids' field samplers (two settings each); the full-scale grids add the three
+# samplers at three settings each with `blockgen sweep --field-samplers` (their price: `--dry-run`).
+DEMO_FIELD = _field((0.7, 0.9), (0.1, 1.0), (4, 8))
+FULL_FIELD = _field((0.7, 0.9, 0.95), (0.01, 0.1, 1.0), (8, 16, 32))
+
+
+def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...], nfes: tuple[int, ...],
+                  field: tuple[SamplerConfig, ...] = DEMO_FIELD) -> list[SamplerConfig]:
     """The demo's samplers for a model (SamplerConfig): AR decoding for block size 1 alone; else every
-    NFE's variants at every temperature, ARPC where block size 1 is in the mixture, then AR greedy."""
+    NFE's variants at every temperature, ARPC where block size 1 is in the mixture, the field's samplers
+    (`field`), then AR greedy."""
     ar_greedy = SamplerConfig("ar_greedy")
     if tuple(block_sizes) == (1,):
         return [ar_greedy] + [SamplerConfig("ar_sample", temperature=t) for t in temperatures]
     out = [replace(v, temperature=t)
            for t in temperatures for n in nfes for v in DEMO_VARIANTS[n] if v.name != "arpc" or 1 in block_sizes]
+    out += [replace(f, temperature=t) for t in temperatures for f in field]
     return out + ([ar_greedy] if 1 in block_sizes else [])
 
 
 def sampler_label(s: SamplerConfig) -> str:
-    """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row."""
+    """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row. What the sampler
+    reads: steps (not for AR and adaptive samplers), GE and warm-up (informed ones), its own settings, T."""
     if not s.sampler.reads_temperature:
         return s.name
-    if s.is_ar:
-        return f"{s.name}(T{s.temperature:g})"
-    extra = f",GE{s.ge}" + (f",W{s.warmup}" if s.warmup else "") if s.sampler.informed else ""
-    return f"{s.name}(N{s.steps}{extra},T{s.temperature:g})"
+    parts = [] if s.is_ar or s.sampler.adaptive else [f"N{s.steps}"]
+    if s.sampler.informed:
+        parts += [f"GE{s.ge}"] + ([f"W{s.warmup}"] if s.warmup else [])
+    parts += [f"{name}{value:g}" for name, value in s.options] + [f"T{s.temperature:g}"]
+    return f"{s.name}({','.join(parts)})"
 
 
 GRIDS: dict[str, Grid] = {
@@ -124,14 +143,14 @@ GRIDS: dict[str, Grid] = {
     "owt-embedded": Grid("owt", ("ar", "masked-mix", "uniform-mix"), "owt_genppl_embedded", "owt_ppl_embedded", (1.0,),
                          arpc=(pick("arpc", 8),), **_OFFLINE),
     "gsm8k-embedded": Grid("tinygsm", ("ar", "masked-16", "masked-mix"), "gsm8k_code_embedded", None, (0.1,),
-                           arpc=_defaults("arpc", (4, 8)), **_OFFLINE),
+                           arpc=_defaults("arpc", (4, 8)), field=DEMO_FIELD, **_OFFLINE),
     "released-owt": Grid("owt", ("ar", "mdlm", "duo", *_OWT_MODELS[1:]), "owt_genppl", "owt_ppl", _OWT_TEMPS,
                          arpc=_OWT_ARPC, source=ModelSource.RELEASED, **_FULL),
     "released-gsm8k": Grid("tinygsm", ("ar", "masked-16", "uniform-16", "masked-32", "uniform-32", "masked-mix", "uniform-mix",
                                        "masked-mix32", "uniform-mix32"), "gsm8k_code", None, (1.0, 0.1), arpc=_all("arpc"),
                            source=ModelSource.RELEASED, **_FULL),
     "demo": Grid("tinygsm", DEMO_PRESETS, "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=DEMO_NFES, eipc=(), arpc=(),
-                 k_mc=8, batch_size=16, source=ModelSource.DEMO, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
+                 field=DEMO_FIELD, k_mc=8, batch_size=16, source=ModelSource.DEMO, model_args=(("max_gen_toks", DEMO_MAX_GEN_TOKS),)),
     # CI's gsm8k_code regression (harness/reports/outcomes.py): the demo's masked mixture stored under
     # leaderboards/ci_gsm8k/ (--runs), its demo settings at NFE 4 (ancestral, EIPC, ARPC) and AR greedy.
     "ci-gsm8k": Grid("tinygsm", ("gsm-masked-mix",), "gsm8k_code_embedded", None, (0.1,), ancestral_nfe=(4,), eipc=(), arpc=(),

@@ -64,7 +64,8 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     work = eval_cost.Work(kind, rows, batch, calls, scored=rows if s.task in GENPPL_TASKS else 0)
     rate, note = eval_cost.cpu_rate(preset_name, batch, cpu_rates)
     seconds = eval_cost.cpu_seconds(work, rate, s.task, cpu_rates) if rate else None
-    return Price(seconds, work.describe() + (f"; {note}" if note else ""))
+    adaptive = s.sampler is not None and s.sampler.sampler.adaptive
+    return Price(seconds, work.describe() + (f"; {note}" if note else "") + (f"; {eval_cost.ADAPTIVE_NOTE}" if adaptive else ""))
 
 
 def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None, source: RateSource | None = None) -> float:

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             seeds=[config.seed + start + r for r in range(len(batch))],
         )
         bar.update((config.max_new_tokens - done) * len(batch))  # rows that stopped early
-        for (j, ids), tokens, reason in zip(batch, result.tokens, result.finish_reasons):
+        for r, ((j, ids), tokens, reason) in enumerate(zip(batch, result.tokens, result.finish_reasons)):
             records.append({
                 "prompt_index": j,
                 "prompt": texts[j],
@@ -134,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 "model_calls_per_block": result.model_calls_per_block,
                 "paper_nfe_per_block": result.paper_nfe_per_block,
                 "block_size": result.block_size,
+                "row_calls": result.row_calls[r],  # this sample's own calls (an adaptive sampler's rows differ)
+                "row_blocks": result.row_blocks[r],
             })
     bar.close()
 
@@ -142,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"=== sample {i} (prompt {r['prompt_index']}, {r['finish_reason']}, {len(r['tokens'])} tokens) ===")
             print(f"prompt: {r['prompt']}\nanswer: {r['completion']}")
         r = records[-1]
-        print(f"# sampler {config.name}: {r['model_calls_per_block']:g} model calls per block "
-              f"(paper NFE label {r['paper_nfe_per_block']}), block size {r['block_size']}")
+        calls, blocks = sum(x["row_calls"] for x in records), sum(x["row_blocks"] for x in records)
+        label = "none: adaptive" if r["paper_nfe_per_block"] is None else r["paper_nfe_per_block"]
+        print(f"# sampler {config.name}: {calls / max(blocks, 1):.2f} model calls per block per sample "
+              f"(paper NFE label {label}), {sum(len(x['tokens']) for x in records) / max(calls, 1):.2f} generated "
+              f"tokens per call, block size {r['block_size']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"checkpoint": str(args.checkpoint), "sampler": config.as_dict()}

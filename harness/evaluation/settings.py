@@ -77,13 +77,13 @@ def families(block_sizes: tuple[int, ...]) -> tuple[str, ...]:
 def samplers(g: Grid, block_sizes: tuple[int, ...]) -> tuple[SamplerConfig, ...]:
     """The grid's sampler settings for a model, at temperature 1 (`settings` sets each temperature)."""
     if g.source is ModelSource.DEMO:
-        found = demo_samplers(block_sizes, g.temperatures[:1], g.ancestral_nfe)
+        found = demo_samplers(block_sizes, g.temperatures[:1], g.ancestral_nfe, g.field)
         return tuple(dict.fromkeys(replace(s, temperature=1.0) for s in found))
     out: list[SamplerConfig] = []
     for family in families(block_sizes):
         out += {"ar": AR_RUNS, "arpc": g.arpc, "eipc": g.eipc,
                 "ancestral": tuple(SamplerConfig("ancestral", steps=n) for n in g.ancestral_nfe)}[family]
-    return tuple(out)
+    return tuple(out) + (g.field if tuple(block_sizes) != (1,) else ())
 
 
 def model_block_sizes(g: Grid, model: str, checkpoint: str) -> tuple[int, ...]:

@@ -55,12 +55,13 @@ from pathlib import Path
 from typing import Any
 
 from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source
-from blockgen.harness.evaluation.grids import GRIDS, Grid, ModelSource, grid
+from blockgen.harness.evaluation.grids import FULL_FIELD, GRIDS, Grid, ModelSource, grid
 from blockgen.harness.evaluation.pricing import SHARD_FORM, Shard, dry_run, headline_price, priced, split
 from blockgen.harness.evaluation.settings import GENPPL_TASKS, Setting, checkpoint_of, settings
 from blockgen.harness.runtime.distributed import decided_on_rank0, ranks_from_env, setup_distributed
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
 from blockgen.harness.training.presets import PRESETS
+from blockgen.models.sampler_config import SamplerConfig
 
 # What `blockgen sweep --help` says: what the user controls (the module's docstring above is for developers).
 COMMAND_HELP = """Evaluate models over a grid of sampler settings (sampler x NFE x temperature) with lm-eval, each model
@@ -103,6 +104,8 @@ class SweepConfig:
     shard: Shard | None = None  # run only this job's share of the settings (`split`); None: all
     keep_going: bool = False  # a failed setting is recorded (`error.json`) and the sweep goes on
     rates: str | None = None  # full-scale grids: the rates file pricing them (None: `rates.rate_source`'s choice)
+    field_samplers: bool = False  # add the field's samplers (grids.FULL_FIELD) to a grid that has none
+    added_samplers: tuple[SamplerConfig, ...] = ()  # more sampler settings on every diffusion model (`--add-sampler`)
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)
@@ -118,6 +121,10 @@ class SweepConfig:
         for name in ("temperatures", "limit", "k_mc", "batch_size"):
             if getattr(self, name) is not None:
                 g = replace(g, **{name: getattr(self, name)})
+        if self.field_samplers and not g.field:
+            g = replace(g, field=FULL_FIELD)
+        if self.added_samplers:
+            g = replace(g, field=(*g.field, *self.added_samplers))
         if self.dtype is not None:  # every setting, likelihoods included
             g = replace(g, likelihood_dtype=check_dtype(self.dtype))
         other_dtype = self.dtype is not None and DTYPES[check_dtype(self.dtype)] != DTYPES["float32"]
@@ -504,9 +511,32 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="full-scale grids: the rates file (JSON) the dry run, the shard split and the progress bar "
                              "price with (default: RUNS/gpu-check/rates.json from `make gpu-check` on a GPU, else the "
                              "stored H100 rates; a sharded sweep: the stored ones)")
+    parser.add_argument("--field-samplers", action="store_true",
+                        help="also run the field's samplers (confidence threshold, entropy bound, low-confidence "
+                             "remasking; three settings each) on every diffusion model of a grid that has none")
+    parser.add_argument("--add-sampler", dest="added_samplers", type=sampler_spec, action="append", default=[],
+                        metavar="MODEL_ARGS", help="one more sampler setting on every diffusion model, in --model_args' "
+                                                   "spelling, e.g. 'sampler=confidence_threshold,threshold=0.8' (repeatable)")
     parser.add_argument("--keep-going", action="store_true",
                         help=f"record a failing setting ({ERROR_FILE} in its results folder) and go on; "
                              "exit 1 when any failed")
+
+
+def sampler_spec(text: str) -> SamplerConfig:
+    """`--add-sampler`'s value, in `--model_args`' spelling: "sampler=NAME[,steps=N,ge=G,warmup=W,block_size=B]" and
+    the sampler's own settings (e.g. "sampler=confidence_threshold,threshold=0.8"); the grid sets the temperature."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs
+
+    try:
+        a = BlockGenLMArgs.parse({"pretrained": "-", **simple_parse_args_string(text)})
+        if not a.sampler:
+            raise ValueError("name the sampler: sampler=NAME")
+        given = {k: getattr(a, k) for k in ("steps", "ge", "warmup", "block_size") if getattr(a, k) is not None}
+        return SamplerConfig(a.sampler, **given, options=a.sampler_options)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
 def parse_shard(text: str) -> Shard:
@@ -528,7 +558,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
                        temperatures=tup(args.temperatures), limit=args.limit, k_mc=args.k_mc, batch_size=args.batch_size,
                        device=args.device, metadata=args.metadata, dry_run=args.dry_run, progress=args.progress,
                        dtype=args.dtype, tf32=args.tf32, seed=args.seed, shard=args.shard, keep_going=args.keep_going,
-                       rates=args.rates)
+                       rates=args.rates, field_samplers=args.field_samplers, added_samplers=tuple(args.added_samplers))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -77,11 +77,12 @@ class Pooled:
 
 
 def _labels(model_sizes: dict[str, tuple[int, ...]], temperatures, nfes) -> dict[tuple, str]:
-    """(model, sampler name, NFE, temperature) -> the demo's results label of that setting."""
+    """(model, sampler name, NFE, temperature) -> the demo's results label of that setting; an adaptive sampler has
+    no NFE before it runs: its own settings stand in that place, e.g. (("threshold", 0.9),)."""
     out = {}
     for model, sizes in model_sizes.items():
         for s in demo_samplers(sizes, tuple(temperatures), tuple(nfes)):
-            nfe = None if s.is_ar else paper_nfe_per_block(s)
+            nfe = None if s.is_ar else s.options if s.sampler.adaptive else paper_nfe_per_block(s)
             out[(model, s.name, nfe, s.temperature if s.sampler.reads_temperature else None)] = sampler_label(s)
     return out
 

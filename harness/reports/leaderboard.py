@@ -64,8 +64,12 @@ class Row:
     warmup: int | None = None
     temperature: float | None = None
     block_size: int | None = None  # block size used for generation
-    nfe_per_block: int | None = None  # the paper's label (ARPC counts its AR passes)
-    model_calls_per_block: float | None = None  # calls really made
+    nfe_per_block: float | None = None  # the paper's label (ARPC counts its AR passes); adaptive: measured per row
+    model_calls_per_block: float | None = None  # calls really made (batched)
+    options: dict[str, float] | None = None  # the sampler's own settings (models/samplers/), e.g. a threshold
+    calls_per_block_per_row: float | None = None  # a row's mean calls per block (rows done sit out adaptive calls)
+    max_calls_per_block: int | None = None  # a row's most calls in one block
+    tokens_per_forward: float | None = None  # generated tokens per model call of a row
     total_calls: int | None = None  # model calls over the whole task
     k_mc: int | None = None  # Monte Carlo draws of the likelihood bound
     seed: int | None = None
@@ -83,7 +87,7 @@ class Row:
     def key(self) -> tuple:
         """Rows with the same key describe the same measurement: a newer one replaces the older."""
         return (self.model, self.checkpoint_sha, self.task, self.metric, self.filter, self.sampler, self.steps,
-                self.ge, self.warmup, self.temperature, self.block_size, self.k_mc, self.seed, self.train_steps, self.sample_length,
+                self.ge, self.warmup, self.temperature, tuple(sorted((self.options or {}).items())), self.block_size, self.k_mc, self.seed, self.train_steps, self.sample_length,
                 self.published, self.source if self.published else None)
 
 
@@ -346,6 +350,15 @@ def _external_settings(gen_kwargs: dict, output_type: str | None) -> dict[str, A
                 block_size=1, nfe_per_block=1)
 
 
+def sampler_options(record: dict) -> dict[str, float] | None:
+    """The sampler's own settings a record names (the registry's declarations; None if it has none)."""
+    from blockgen.models import samplers
+
+    if record.get("sampler") not in samplers.names():
+        return None
+    return {o.name: record[o.name] for o in samplers.get(record["sampler"]).options if o.name in record} or None
+
+
 def _task_settings(info: dict, report: dict, output_type: str | None, wall: float | None) -> dict[str, Any]:
     """Sampler fields of one task's rows (generation), or K_MC (likelihood)."""
     if output_type != "generate_until":
@@ -361,6 +374,9 @@ def _task_settings(info: dict, report: dict, output_type: str | None, wall: floa
         nfe, calls = s.get("paper_nfe_per_block"), None
         if len(settings) > 1:
             raise LeaderboardError(f"one task ran {len(settings)} sampler settings; run one setting per lm_eval call")
+    options = sampler_options(s)
+    if nfe is None and s.get("calls_per_block_per_row") is not None:  # adaptive: the NFE its rows really took
+        nfe = _number(s["calls_per_block_per_row"])
     tokens = gen.get("generated_tokens")
     # Decoding speed: the time inside the sampler when the adapter measured it, else the whole run.
     seconds = _number(gen.get("generate_seconds")) or wall
@@ -370,7 +386,9 @@ def _task_settings(info: dict, report: dict, output_type: str | None, wall: floa
     return dict(
         sampler=s.get("sampler"), steps=s.get("steps"), ge=s.get("ge"), warmup=s.get("warmup"),
         temperature=_number(s.get("temperature")), block_size=s.get("block_size"), nfe_per_block=nfe,
-        model_calls_per_block=_number(calls), total_calls=None if partial else gen.get("model_calls"),
+        model_calls_per_block=_number(calls), total_calls=None if partial else gen.get("model_calls"), options=options,
+        calls_per_block_per_row=_number(s.get("calls_per_block_per_row")), max_calls_per_block=s.get("max_calls_per_block"),
+        tokens_per_forward=_number(s.get("tokens_per_forward")),
         tokens_per_s=tokens / seconds if tokens is not None and seconds else None,
     )
 
@@ -455,7 +473,7 @@ SHOW_COLUMNS = ["model", "task", "metric", "sampler", "steps", "ge", "warmup", "
 COMPACT_COLUMNS = {
     "model": lambda r: r.model, "task": lambda r: r.task, "metric": lambda r: r.metric, "sampler": lambda r: r.sampler or "",
     "T": lambda r: "" if r.temperature is None else f"{r.temperature:g}",
-    "NFE": lambda r: "" if r.nfe_per_block is None else str(r.nfe_per_block),
+    "NFE": lambda r: nfe_text(r.nfe_per_block),
     "N/GE/W": lambda r: "" if r.steps is None else f"{r.steps}/{r.ge or 0}/{r.warmup or 0}",
     "value": lambda r: _value_text(r),
     "calls/block": lambda r: "" if r.model_calls_per_block is None else f"{r.model_calls_per_block:.2f}",
@@ -464,6 +482,13 @@ COMPACT_COLUMNS = {
 # The metric a task's table leads with (as the leaderboard page does); a task with none of these leads
 # with its first metric.
 HEADLINE_METRICS = ("exact_match", "gen_ppl", "perplexity")
+
+
+def nfe_text(nfe: float | None) -> str:
+    """An NFE as tables and plots print it: the paper's labels are whole, an adaptive sampler's measured mean is not."""
+    if nfe is None or nfe != nfe:  # None or NaN
+        return ""
+    return f"{nfe:.0f}" if float(nfe).is_integer() else f"{nfe:.2f}"
 
 
 def _value_text(row: Row) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from blockgen.harness.reports.leaderboard import Row, best_per_nfe, table
+from blockgen.harness.reports.leaderboard import Row, best_per_nfe, nfe_text, table
 from blockgen.models import samplers
 
 ACCURACY_METRICS = ("exact_match",)
@@ -91,7 +91,7 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
                     ax.axhspan(100 * (best.value - best.stderr), 100 * (best.value + best.stderr), color=color(sampler), alpha=0.08)
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(ScalarFormatter())  # 4, 8, 16 rather than 2^2, 2^3, 2^4
-            ax.set_xlabel("NFE per block (paper's label)")
+            ax.set_xlabel("NFE per block (paper's label; adaptive samplers: mean calls per row)")
             ax.set_title(f"T = {temp:g}" if temp is not None else "")
             ax.margins(y=0.15)  # scaled to the data: a few points apart must look apart, not flat at 0-65 %
             low, high = ax.get_ylim()
@@ -124,7 +124,7 @@ def genppl_vs_entropy(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         for key, curve in group.groupby(curve_keys, dropna=False):
             published, model, sampler, steps, ge, warmup, nfe = key
             curve = curve.sort_values("temperature")
-            label = f"{model} {sampler}" + ("" if is_ar(sampler) else f" NFE {nfe}") + (" (paper)" if published else "")
+            label = f"{model} {sampler}" + ("" if is_ar(sampler) else f" NFE {nfe_text(nfe)}") + (" (paper)" if published else "")
             ax.plot(curve.entropy, curve.value, marker=marker_of[model], color=color(sampler),
                     alpha=0.45 if published else 1.0, label=label)
             for _, point in curve.iterrows():  # beside the point, not on it
@@ -186,7 +186,7 @@ def speed_quality_frontier(rows: Iterable[Row], out_dir: str | Path) -> list[Pat
                         elinewidth=0.8, capsize=2, zorder=3)
             for _, point in points.iterrows():
                 if pd.notna(point.nfe_per_block):
-                    label = f"{point.nfe_per_block}" + (f"/b{point.block_size}" if several_blocks else "")
+                    label = nfe_text(point.nfe_per_block) + (f"/b{point.block_size}" if several_blocks else "")
                     ax.annotate(label, (point.tokens_per_s, 100 * point.value), xytext=(4, 3),
                                 textcoords="offset points", fontsize=7, color="0.25")
         present = set(others.sampler.dropna())

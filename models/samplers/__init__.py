@@ -6,17 +6,21 @@ model calls per block, what it is priced as, its plot colour, and the function t
 The declarations are plain Python (no torch): the sampler catalogue, the cost model and the reports read
 them without loading the network code; a sampler's `block` imports what it runs when it is called.
 A new sampler is one new module here (`docs/sampling.md`, "To add a sampler"); `load()` imports every
-module of the folder once, on the first lookup.
+module of the folder once, on the first lookup, then the modules other packages name in the entry-point group
+`blockgen.samplers` (a sampler of one's own, pip-installed, runs in `lm_eval --model blockgen` and the sweeps
+without a change here).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 _REGISTRY: dict[str, "Sampler"] = {}
+ENTRY_POINTS = "blockgen.samplers"  # other packages' sampler modules
 _loaded = False
 
 
@@ -68,6 +72,7 @@ class Sampler:
     priced_as: ClassVar[str | None] = None  # priced with that sampler's measured calls (the same call per step)
     adaptive: ClassVar[bool] = False  # calls per block vary by row and block: NFE is measured, not a label
     needs_untimed_network: ClassVar[bool] = False  # follows no noise schedule: a time-conditioned network has no time
+    commits_positions: ClassVar[bool] = False  # the field's parallel decoders (position_committing.py)
     color: ClassVar[str] = "tab:purple"  # plots
     options: ClassVar[tuple[Option, ...]] = ()  # its own settings (`SamplerConfig.options`)
 
@@ -85,26 +90,6 @@ class Sampler:
     def block(self, dec, config: "SamplerConfig", generator, trace=None, block_index: int = 0):
         """One block of clean tokens (B, L') from the decoder's current position (models/sampling.py)."""
         raise NotImplementedError(f"sampler {self.name!r} has no block function")
-
-
-class PositionCommitting(Sampler):
-    """A sampler of the field's parallel decoders: each step commits some undecided positions of the block to
-    tokens drawn from the denoiser and leaves the others as they are (`models.sampling.unmasking_block`).
-    `plan` is its rule: how many positions each row commits at this step, and in what order."""
-
-    needs_untimed_network = True
-
-    def plan(self, config, step: int, confidence, entropy, undecided, generated):
-        """(key, k): commit the k[b] undecided positions of row b of lowest key (ties: the lower position).
-        `confidence` (r, L'): the untempered probability of each position's draw; `entropy`: of its tempered
-        distribution (both on the score grid); `undecided` (r, L') bool; `generated` (r,): the positions the
-        row generates in this block; `step`: the block's step, from 0."""
-        raise NotImplementedError
-
-    def block(self, dec, config, generator, trace=None, block_index=0):
-        from blockgen.models.sampling import unmasking_block
-
-        return unmasking_block(dec, config, generator, trace, block_index)
 
 
 def register(cls: type[Sampler]) -> type[Sampler]:
@@ -127,7 +112,13 @@ def load() -> dict[str, Sampler]:
         _loaded = True
         for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             importlib.import_module(f"{__name__}.{module.name}")
-        ordered = sorted(_REGISTRY.items(), key=lambda item: (item[1].autoregressive, isinstance(item[1], PositionCommitting)))
+        for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
+            try:
+                entry.load()  # importing the module registers its samplers
+            except Exception as err:
+                raise ImportError(f"the sampler plug-in {entry.name!r} ({entry.value}, entry point group "
+                                  f"{ENTRY_POINTS!r}) failed to load: {err}") from err
+        ordered = sorted(_REGISTRY.items(), key=lambda item: (item[1].autoregressive, item[1].commits_positions))
         _REGISTRY.clear()
         _REGISTRY.update(ordered)
     return _REGISTRY

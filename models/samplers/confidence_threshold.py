@@ -10,7 +10,8 @@ undecided positions keep their prior draw as input and a position is committed f
 
 from __future__ import annotations
 
-from blockgen.models.samplers import Option, PositionCommitting, register
+from blockgen.models.samplers import Option, register
+from blockgen.models.samplers.position_committing import PositionCommitting
 
 
 @register
@@ -19,6 +20,7 @@ class ConfidenceThreshold(PositionCommitting):
     summary = "each step commits every position whose drawn token has probability above `threshold` (at least one)"
     adaptive = True
     color = "tab:orange"
+    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
     options = (Option("threshold", float, 0.9, "commit positions whose drawn token is this likely (Fast-dLLM: 0.9)",
                       low=0.0, high=1.0, low_open=True, high_open=True),
                Option("max_per_step", int, 0, "commit at most this many positions per step (0: no cap)", low=0))

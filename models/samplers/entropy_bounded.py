@@ -11,7 +11,8 @@ proposal)."""
 
 from __future__ import annotations
 
-from blockgen.models.samplers import Option, PositionCommitting, register
+from blockgen.models.samplers import Option, register
+from blockgen.models.samplers.position_committing import PositionCommitting
 
 
 @register
@@ -20,6 +21,7 @@ class EntropyBounded(PositionCommitting):
     summary = "each step commits the lowest-entropy positions while their summed entropy less its largest <= the bound"
     adaptive = True
     color = "tab:pink"
+    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
     options = (Option("entropy_bound", float, 0.1, "gamma (nats): sum(H) - max(H) of a step's positions at most this",
                       low=0.0),)
 

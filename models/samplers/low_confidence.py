@@ -11,7 +11,8 @@ position; a uniform-state model's undecided positions keep their prior draw (com
 
 from __future__ import annotations
 
-from blockgen.models.samplers import PositionCommitting, register
+from blockgen.models.samplers import register
+from blockgen.models.samplers.position_committing import PositionCommitting
 
 
 @register
@@ -19,6 +20,7 @@ class LowConfidence(PositionCommitting):
     name = "low_confidence"
     summary = "`steps` steps per block, each committing an equal share of positions, the most confident first"
     color = "tab:brown"
+    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
 
     def paper_nfe_per_block(self, config) -> int:
         return config.steps

@@ -219,9 +219,10 @@ GENERIC_GEN_KWARGS = {"until", "do_sample", "ignore_eos"}
 
 
 def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given: bool,
-                       gen_kwargs: dict) -> tuple[SamplerConfig, list[str]]:
+                       gen_kwargs: dict, nfe: int | None = None) -> tuple[SamplerConfig, list[str]]:
     """(sampler, stop strings) of a task's `gen_kwargs` over the model arguments' sampler `base`
-    (`steps_given`: the model arguments set steps, so a new block size does not reset it)."""
+    (`steps_given`: the model arguments set steps, so a new block size does not reset it; `nfe`: they asked for
+    the paper's variant at that NFE, which a new block size keeps and a new sampler takes at the same NFE)."""
     gen_kwargs.pop("ignore_eos", None)  # read by `_plan`
     until = gen_kwargs.pop("until", None) or []
     until = [until] if isinstance(until, str) else list(until)
@@ -253,7 +254,16 @@ def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given:
                    f"mode and samples at temperature {overrides.get('temperature', base.temperature)}")
     sampler = base
     if overrides:
-        if {"name", "block_size"} & set(overrides) and "steps" not in overrides and not steps_given:
+        renamed = overrides.get("name", base.name) != base.name
+        if renamed and nfe is not None and "steps" not in overrides and not samplers.get(name).autoregressive:
+            from blockgen.harness.evaluation.sampler_grid import GRID, settings_at
+
+            if name in GRID:  # the new sampler's paper variant at the NFE asked for
+                steps, ge, warmup = settings_at(name, nfe, None, overrides.get("ge"), overrides.get("warmup"))
+                overrides.update(steps=steps, ge=ge, warmup=warmup)
+            else:  # a sampler without paper variants: nfe reverse steps per block
+                overrides.update(steps=nfe, ge=overrides.get("ge", 1), warmup=overrides.get("warmup", 0))
+        elif {"name", "block_size"} & set(overrides) and "steps" not in overrides and not steps_given and nfe is None:
             # steps follows the block size, as for the model arguments
             overrides["steps"] = resolve_block_size(config, replace(sampler, **{**overrides, "steps": 1, "warmup": 0}))
         sampler = replace(sampler, **overrides)  # SamplerConfig validates (its errors name the choices)

@@ -452,7 +452,8 @@ class BlockGenLM(TemplateLM):
         key = json.dumps(gen_kwargs or {}, sort_keys=True, default=str)
         if key not in self._gen_settings_cache:
             try:
-                self._gen_settings_cache[key] = gen_kwargs_sampler(self.sampler, self.config, self.args.steps is not None, dict(gen_kwargs or {}))
+                self._gen_settings_cache[key] = gen_kwargs_sampler(self.sampler, self.config, self.args.steps is not None,
+                                                                     dict(gen_kwargs or {}), nfe=self.args.nfe)
             except ValueError as err:
                 raise ValueError(f"blockgen, task {task}: gen_kwargs {gen_kwargs}: {err}") from None
         return self._gen_settings_cache[key]
@@ -580,4 +581,4 @@ def settings_record(config: BlockGenConfig, sampler: SamplerConfig) -> dict:
     return {"sampler": sampler.name, "steps": sampler.steps, "ge": sampler.ge, "warmup": sampler.warmup,
             "temperature": sampler.temperature, "block_size": resolve_block_size(config, sampler),
             "layout": sampler.layout, "max_gen_toks": sampler.max_new_tokens,
-            "paper_nfe_per_block": paper_nfe_per_block(sampler)}
+            "paper_nfe_per_block": paper_nfe_per_block(sampler), **dict(sampler.options)}

@@ -29,7 +29,10 @@ class Usage:
     """
 
     COUNTS = ("requests", "truncated_requests", "truncated_tokens")
-    GENERATION = ("requests", "model_calls", "blocks", "generated_tokens", "generate_seconds")
+    # Summed over a setting's batches; `row_calls` / `row_blocks`: the calls and blocks of each row, summed over rows
+    # (an adaptive sampler's rows leave a block's calls when done). `max_calls_per_block`: a row's most, the largest.
+    GENERATION = ("requests", "model_calls", "blocks", "generated_tokens", "generate_seconds", "row_calls", "row_blocks")
+    LARGEST = ("max_calls_per_block",)
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], Counter] = defaultdict(Counter)  # (task, request type)
@@ -52,7 +55,10 @@ class Usage:
         key = task, json.dumps({k: v for k, v in settings.items() if k != "max_gen_toks"}, sort_keys=True)
         self.generation[key].update(
             requests=requests, model_calls=result.model_calls, blocks=result.n_blocks,
-            generated_tokens=sum(map(len, result.tokens)), generate_seconds=seconds)
+            generated_tokens=sum(map(len, result.tokens)), generate_seconds=seconds,
+            row_calls=sum(result.row_calls), row_blocks=sum(result.row_blocks))
+        counts = self.generation[key]
+        counts["max_calls_per_block"] = max(counts["max_calls_per_block"], *result.row_max_calls_per_block, 0)
         if settings.get("max_gen_toks") is not None:
             self.budgets[key] = max(self.budgets.get(key, 0), settings["max_gen_toks"])
 
@@ -97,8 +103,7 @@ class Usage:
             settings = json.loads(key)
             if (task, key) in self.budgets:
                 settings = dict(sorted({**settings, "max_gen_toks": self.budgets[task, key]}.items()))
-            row = {**settings, **{name: counts[name] for name in self.GENERATION}}
-            row["model_calls_per_block"] = row["model_calls"] / row["blocks"] if row["blocks"] else 0.0
+            row = per_row_figures({**settings, **{name: counts[name] for name in (*self.GENERATION, *self.LARGEST)}})
             entry.setdefault("settings", []).append(row)
             for name in ("model_calls", "generated_tokens", "generate_seconds"):
                 entry[name] = entry.get(name, 0) + row[name]
@@ -127,13 +132,23 @@ def _doc_order(doc: str) -> tuple:
     return (0, int(doc), "") if doc.lstrip("-").isdigit() else (1, 0, doc)
 
 
+def per_row_figures(record: dict) -> dict:
+    """A setting's record with its derived figures: model calls per block (batched), the mean calls per block of
+    a row (an adaptive sampler's NFE) and generated tokens per forward pass of a row (prompts never count)."""
+    record["model_calls_per_block"] = record["model_calls"] / record["blocks"] if record.get("blocks") else 0.0
+    if record.get("row_blocks"):
+        record["calls_per_block_per_row"] = record["row_calls"] / record["row_blocks"]
+        record["tokens_per_forward"] = record["generated_tokens"] / record["row_calls"] if record["row_calls"] else 0.0
+    return record
+
+
 def merge_budgets(settings: list[dict]) -> list[dict]:
     """The adapter's per-setting records with those that differ only in their generation budget
     (``max_gen_toks``: gsm8k_code gives each row the room its prompt leaves) merged into one: counts
     summed, ``max_gen_toks`` the largest, calls per block recomputed. One setting stays one record."""
     merged: dict[str, dict] = {}
     for s in settings:
-        key = json.dumps({k: v for k, v in s.items() if k not in (*Usage.GENERATION, "max_gen_toks", "model_calls_per_block")},
+        key = json.dumps({k: v for k, v in s.items() if k not in (*Usage.GENERATION, *Usage.LARGEST, *DERIVED, "max_gen_toks")},
                          sort_keys=True)
         if key not in merged:
             merged[key] = dict(s)
@@ -142,10 +157,15 @@ def merge_budgets(settings: list[dict]) -> list[dict]:
         for name in Usage.GENERATION:
             if name in s:
                 m[name] = m.get(name, 0) + s[name]
+        for name in Usage.LARGEST:
+            if name in s:
+                m[name] = max(m.get(name, 0), s[name])
         m["max_gen_toks"] = max(m.get("max_gen_toks") or 0, s.get("max_gen_toks") or 0)
-        if m.get("blocks"):
-            m["model_calls_per_block"] = m["model_calls"] / m["blocks"]
+        per_row_figures(m)
     return list(merged.values())
+
+
+DERIVED = ("model_calls_per_block", "calls_per_block_per_row", "tokens_per_forward")
 
 
 # Where `Usage` lived in earlier versions: lm-eval's --use_cache file keeps it pickled under that name
