@@ -18,15 +18,10 @@ from blockgen.models.samplers.position_committing import PositionCommitting
 class ConfidenceThreshold(PositionCommitting):
     name = "confidence_threshold"
     summary = "each step commits every position whose drawn token has probability above `threshold` (at least one)"
-    adaptive = True
     color = "tab:orange"
-    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
     options = (Option("threshold", float, 0.9, "commit positions whose drawn token is this likely (Fast-dLLM: 0.9)",
                       low=0.0, high=1.0, low_open=True, high_open=True),
                Option("max_per_step", int, 0, "commit at most this many positions per step (0: no cap)", low=0))
-
-    def calls_per_block(self, config, block_size, eps=1e-3) -> int:
-        return block_size  # at most one call per position: what a dry run prices it at, and says so
 
     def plan(self, config, step, confidence, entropy, undecided, generated):
         passing = (undecided & (confidence > config.option("threshold"))).sum(-1).clamp_min(1)

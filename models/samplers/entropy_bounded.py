@@ -15,18 +15,16 @@ from blockgen.models.samplers import Option, register
 from blockgen.models.samplers.position_committing import PositionCommitting
 
 
+# gamma, the EB-sampler's error bound in nats (0: one position per step wherever entropies are positive)
+GAMMA = Option("entropy_bound", float, 0.1, "gamma (nats): sum(H) - max(H) of a step's positions at most this", low=0.0)
+
+
 @register
 class EntropyBounded(PositionCommitting):
     name = "entropy_bounded"
     summary = "each step commits the lowest-entropy positions while their summed entropy less its largest <= the bound"
-    adaptive = True
+    options = (GAMMA,)
     color = "tab:pink"
-    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
-    options = (Option("entropy_bound", float, 0.1, "gamma (nats): sum(H) - max(H) of a step's positions at most this",
-                      low=0.0),)
-
-    def calls_per_block(self, config, block_size, eps=1e-3) -> int:
-        return block_size  # at most one call per position: what a dry run prices it at, and says so
 
     def plan(self, config, step, confidence, entropy, undecided, generated):
         import torch
@@ -34,6 +32,6 @@ class EntropyBounded(PositionCommitting):
         order_key = entropy.masked_fill(~undecided, torch.inf)
         ordered = order_key.sort(dim=-1, stable=True).values  # ties to the lower position, as the commit's order
         ordered = torch.where(ordered.isinf(), 0.0, ordered)  # decided positions add nothing (they are not counted)
-        within = ordered.cumsum(-1) - ordered.cummax(-1).values <= config.option("entropy_bound")
+        within = ordered.cumsum(-1) - ordered.cummax(-1).values <= config.option(GAMMA.name)
         prefix = (within & (torch.arange(ordered.shape[-1], device=ordered.device) < undecided.sum(-1, keepdim=True)))
         return entropy, prefix.sum(-1).clamp_min(1)

@@ -20,7 +20,7 @@ class LowConfidence(PositionCommitting):
     name = "low_confidence"
     summary = "`steps` steps per block, each committing an equal share of positions, the most confident first"
     color = "tab:brown"
-    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
+    adaptive = False  # min(steps, positions) calls per block
 
     def paper_nfe_per_block(self, config) -> int:
         return config.steps

@@ -14,6 +14,12 @@ class PositionCommitting(Sampler):
 
     needs_untimed_network = True
     commits_positions = True
+    adaptive = True  # calls per block follow the data (a fixed schedule says otherwise)
+    priced_as = "ancestral"  # the same call per step: a block of noisy tokens
+
+    def calls_per_block(self, config, block_size, eps=1e-3) -> int:
+        """At most one call per position: what a dry run prices an adaptive sampler at, and says so."""
+        return block_size
 
     def plan(self, config, step: int, confidence, entropy, undecided, generated):
         """(key, k): commit the k[b] undecided positions of row b of lowest key (ties: the lower position).
