@@ -89,6 +89,10 @@ def test_opposite_of_the_paper_is_reported_as_such(tmp_path):
     assert no_claim.verdict == "resolved"
 
 
+def by_name_sign(findings, name: str) -> int:
+    return {f.name: f.paper_sign for f in findings}[name]
+
+
 def test_the_papers_claims_map_onto_the_demo_grid():
     assert roles(DEMO_PRESETS) == {"ar": "gsm-ar", "masked": "gsm-masked-mix", "uniform": "gsm-uniform-mix"}
     findings = demo_findings(DEMO_PRESETS, (0.1,), (4, 8, 16))
@@ -97,7 +101,10 @@ def test_the_papers_claims_map_onto_the_demo_grid():
         labels |= {(model, sampler_label(s)) for s in demo_samplers(preset(model).block_sizes, (0.1,), (4, 8, 16))}
     assert all(f.a in labels and f.b in labels for f in findings)  # every finding compares settings the demo runs
     names = [f.name for f in findings]
-    assert len(names) == len(set(names)) == 3 + 2 * 3 * 3 + 3 + 2
+    # the paper's claims, then the field's samplers beside them (no claim), per model: low-confidence against
+    # ancestral at NFE 4 and 8 (its demo settings), the two adaptive ones against ARPC and ancestral at NFE 4
+    assert len(names) == len(set(names)) == 3 + 2 * 3 * 3 + 3 + 2 + 2 * (2 + 2 * 2)
+    assert by_name_sign(findings, "masked: confidence_threshold (threshold 0.9) - arpc NFE 4, T 0.1") == 0
     by_name = {f.name: f for f in findings}
     assert by_name["uniform - masked, ancestral NFE 4, T 0.1"].paper_sign == +1
     assert by_name["masked: ARPC - EIPC, NFE 16, T 0.1"].paper_sign == +1

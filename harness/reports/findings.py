@@ -117,6 +117,19 @@ def demo_findings(presets, temperatures, nfes) -> list[Finding]:
             n = min(nfes)
             add("AR greedy stays the strongest; ARPC keeps most of its accuracy", f"{short}: ARPC NFE {n} - AR greedy, T {t:g}",
                 (model, "arpc", n, t), (model, "ar_greedy", None, None), -1)
+        # Not the paper's: the field's samplers (grids.DEMO_FIELD) beside the paper's on the same checkpoints, no
+        # claim; low-confidence at the same NFE as ancestral, the adaptive ones against the smallest-NFE ARPC and
+        # ancestral (their measured NFE is in their results).
+        field = "the field's samplers beside the paper's (no claim)"
+        for model, short in ((MASKED, "masked"), (UNIFORM, "uniform")):
+            for n in nfes:
+                add(field, f"{short}: low-confidence - ancestral, NFE {n}, T {t:g}",
+                    (model, "low_confidence", n, t), (model, "ancestral", n, t), 0)
+            for name, options in (("confidence_threshold", (("threshold", 0.9),)), ("entropy_bounded", (("entropy_bound", 0.1),))):
+                setting = " ".join(f"{k} {v:g}" for k, v in options)
+                for other in ("arpc", "ancestral"):
+                    add(field, f"{short}: {name} ({setting}) - {other} NFE {min(nfes)}, T {t:g}",
+                        (model, name, options, t), (model, other, min(nfes), t), 0)
     return out
 
 
