@@ -21,7 +21,7 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, sampler_grid.py; harness/reports/:
+and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, paper_variants.py; harness/reports/:
 regression.py; harness/checkpoints/release_catalogue.py). `leaderboard` is assembled here from leaderboard.py (rows, tables) and
 the modules above it (page, plots, compare, regression), so that leaderboard.py imports none of them.
 """
@@ -38,7 +38,7 @@ from typing import Any, Callable, Literal, get_args, get_origin
 
 from blockgen.harness.reports import leaderboard, regression
 from blockgen.harness.checkpoints import release_catalogue
-from blockgen.harness.evaluation import sample, sampler_grid, sweep, vllm_server
+from blockgen.harness.evaluation import sample, paper_variants, sweep, vllm_server
 from blockgen.harness.reports.compare import CompareError, compare, format_comparison
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
                                       "owt_genppl's scorer server: `blockgen scorers check-vllm` says which vLLM build "
                                       "the server would use and whether it can serve the device asked for."))
-    sampler_grid.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
-                                       sampler_grid.__doc__))
+    paper_variants.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
+                                       paper_variants.__doc__))
     return parser
 
 
@@ -392,7 +392,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
     "leaderboard": _leaderboard, "regression": regression.run, "scorers": vllm_server.run,
-    "variants": sampler_grid.run,
+    "variants": paper_variants.run,
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, sampler_model_args
 from blockgen.harness.evaluation.lm_eval_model.model import BlockGenLM
-from blockgen.harness.evaluation.sampler_grid import GRID
+from blockgen.harness.evaluation.paper_variants import GRID
 from blockgen.harness.evaluation.grids import demo_samplers
 from blockgen.models.sampler_config import SamplerConfig
 

@@ -122,7 +122,7 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     assert main(argv[:3] + ["--prompt", "x", "--sampler", "arpc", "--block-size", "4"]) == 2
     assert "[1, 8]" in capsys.readouterr().err
     # --nfe: the paper's variant at that NFE (the rule of lm-eval's nfe= model arg), narrowed by --ge
-    from blockgen.harness.evaluation.sampler_grid import settings_at
+    from blockgen.harness.evaluation.paper_variants import settings_at
 
     by_nfe = tmp_path / "nfe.jsonl"
     base = argv[:5] + ["--sampler", "arpc", "--max-new-tokens", "16", "--quiet", "--out", str(by_nfe)]
@@ -156,7 +156,7 @@ def test_nfe_on_another_block_size_says_which_variant_it_took(caplog):
     import logging
 
     from blockgen.harness.evaluation.lm_eval_model import arguments
-    from blockgen.harness.evaluation.sampler_grid import settings_at
+    from blockgen.harness.evaluation.paper_variants import settings_at
 
     config = BlockGenConfig(vocab_size=64, seq_len=64, block_sizes=(1, 4), block_weights=(0.5, 0.5),
                             shape=ModelShape(n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0))

@@ -3,7 +3,7 @@
 A `Grid` names a benchmark's models (training presets `<benchmark>[-embedded]-<model>`, the demo's
 presets, or the paper's releases), its likelihood and generation tasks, and the sampler x NFE x
 temperature settings; `GRIDS` holds them by name (`blockgen sweep NAME`), `grid(name)` returns one.
-The sampler variants by NFE come from `sampler_grid` (`GRID`, `pick`). The demo's grid (`demo`)
+The sampler variants by NFE come from `paper_variants` (`GRID`, `pick`). The demo's grid (`demo`)
 and its samplers (`demo_samplers`, the `DEMO_*` constants) are here too: `blockgen demo` schedules
 them on its own worker pool (harness/demo.py). How a grid becomes settings and runs: harness/evaluation/sweep.py.
 
@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Iterable, Literal
 
 from blockgen.harness.training.presets import DEMO_PRESETS
-from blockgen.harness.evaluation.sampler_grid import GRID, NFES, pick
+from blockgen.harness.evaluation.paper_variants import GRID, NFES, pick
 from blockgen.models.sampler_config import SamplerConfig
 
 Benchmark = Literal["owt", "tinygsm"]
@@ -56,7 +56,7 @@ class Grid:
     likelihood_task: str | None
     temperatures: tuple[float, ...]
     ancestral_nfe: tuple[int, ...]
-    eipc: tuple[SamplerConfig, ...]  # the paper's variants (sampler_grid.GRID), at temperature 1
+    eipc: tuple[SamplerConfig, ...]  # the paper's variants (paper_variants.GRID), at temperature 1
     arpc: tuple[SamplerConfig, ...]
     field: tuple[SamplerConfig, ...] = ()  # the field's samplers (models/samplers/), on every diffusion model
     k_mc: int = 8

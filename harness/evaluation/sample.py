@@ -26,7 +26,7 @@ from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
 from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_setting
-from blockgen.harness.evaluation.sampler_grid import settings_at
+from blockgen.harness.evaluation.paper_variants import settings_at
 from blockgen.models import samplers
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
 from blockgen.models.sampling import check_config, generate, max_prompt_len

@@ -7,7 +7,7 @@
     blockgen sweep owt --runs runs --device cuda --shard 3/8 --keep-going   # job 3 of 8 independent jobs
 
 A grid (`GRIDS` in harness/evaluation/grids.py, the one home of the evaluation grids; the variants by NFE come
-from `sampler_grid`) names the models, the tasks and the sampler x NFE x temperature settings; its settings
+from `paper_variants`) names the models, the tasks and the sampler x NFE x temperature settings; its settings
 are listed by harness/evaluation/settings.py and priced by harness/evaluation/pricing.py (the dry run,
 `--shard I/N`, the progress bar's weights).
 

@@ -35,7 +35,7 @@ class BlockGenLMArgs:
     steps: int | None = None  # reverse steps per block (NFE of ancestral/eipc); None: the block size
     ge: int | None = None  # None: 1, or the variant nfe= picks
     warmup: int | None = None  # None: 0, or the variant nfe= picks
-    nfe: int | None = None  # the paper's variant at this NFE per block (harness/evaluation/sampler_grid.py)
+    nfe: int | None = None  # the paper's variant at this NFE per block (harness/evaluation/paper_variants.py)
     temperature: float | None = None  # None: 1.0 (AR checkpoints: greedy unless a task asks to sample)
     block_size: int | None = None  # None: the checkpoint's largest block size
     max_gen_toks: int | None = None  # None: min(256, seq_len // 2)
@@ -153,7 +153,7 @@ def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None
     variant, narrowed by any steps/ge/warmup given; otherwise steps default to the block size (one
     token per reverse step on average), ge to 1, warmup to 0, the temperature to 1 and the budget to
     min(256, seq_len // 2)."""
-    from blockgen.harness.evaluation.sampler_grid import PAPER_BLOCK_SIZE, settings_at
+    from blockgen.harness.evaluation.paper_variants import PAPER_BLOCK_SIZE, settings_at
 
     steps, ge, warmup = settings_at(name, nfe, steps, ge, warmup)
     used = resolve_block_size(config, SamplerConfig(name=name, block_size=block_size))
@@ -256,7 +256,7 @@ def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given:
     if overrides:
         renamed = overrides.get("name", base.name) != base.name
         if renamed and nfe is not None and "steps" not in overrides and not samplers.get(name).autoregressive:
-            from blockgen.harness.evaluation.sampler_grid import GRID, settings_at
+            from blockgen.harness.evaluation.paper_variants import GRID, settings_at
 
             if name in GRID:  # the new sampler's paper variant at the NFE asked for
                 steps, ge, warmup = settings_at(name, nfe, None, overrides.get("ge"), overrides.get("warmup"))

@@ -1,4 +1,4 @@
-"""The paper's sampler grid (`blockgen.harness.evaluation.sampler_grid`): every variant's NFE label by appendix
+"""The paper's sampler grid (`blockgen.harness.evaluation.paper_variants`): every variant's NFE label by appendix
 D's formula, `nfe=N` in the adapter, and the Makefile and the demo reading the grid (no copy)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blockgen.harness import cli
-from blockgen.harness.evaluation.sampler_grid import GRID, pick
+from blockgen.harness.evaluation.paper_variants import GRID, pick
 from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
 
 REPO = Path(__file__).resolve().parents[1]
