@@ -174,10 +174,10 @@ def test_the_grid_table_lists_every_grid_with_its_settings():
     """docs/pipeline.md's table of grids: one row per grid of the registry, each with its number of
     settings (what `blockgen sweep GRID --dry-run` lists); a count of grids in any page is theirs."""
     from blockgen.harness.evaluation.grids import GRIDS
-    from blockgen.harness.evaluation.settings import settings
+    from blockgen.harness.evaluation.evaluations import evaluations
 
     rows = re.findall(r"^\| `([\w-]+)` \|.*\| (\d+) \|$", (REPO / "docs" / "pipeline.md").read_text(), re.M)
-    assert {name: int(n) for name, n in rows} == {name: len(settings(g, "/nonexistent")) for name, g in GRIDS.items()}
+    assert {name: int(n) for name, n in rows} == {name: len(evaluations(g, "/nonexistent")) for name, g in GRIDS.items()}
     for page in PAGES:
         for n in re.findall(r"\b(\d+) (?:evaluation )?grids\b", page.read_text()):
             assert int(n) == len(GRIDS), f"{_page_id(page)} speaks of {n} grids; harness/evaluation/grids.py has {len(GRIDS)}"

@@ -32,7 +32,7 @@ import torch
 from blockgen.harness import cli
 from blockgen.harness.costs import eval_cost
 from blockgen.harness.costs.data_file import RatesError, read_dataclass
-from blockgen.harness.evaluation import pricing, settings
+from blockgen.harness.evaluation import evaluations, pricing
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.runtime.precision import compute_precision
 
@@ -218,7 +218,7 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     from blockgen.models.sampler_config import SamplerConfig, calls_per_block
 
     g = GRIDS["gsm8k-embedded"]
-    todo = {(s.run, s.label): s for s in settings.settings(g)}
+    todo = {(s.run, s.label): s for s in evaluations.evaluations(g)}
     price = pricing.estimate(g, todo["tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"], "masked-mix")
     seconds, what = price.seconds, price.what
     per_block = calls_per_block(SamplerConfig("arpc", steps=6, ge=3, warmup=0, block_size=16), 16)
@@ -231,7 +231,7 @@ def test_offline_cost_is_the_counted_calls_times_the_measured_rate():
     extra = 16 * measured.sandbox_program_s + measured.setting_overhead_s["gsm8k_code_embedded"]
     assert f"= {calls} batched calls" in what and seconds == pytest.approx(calls * rate.call_s + extra)
     demo = GRIDS["demo"]  # a max_gen_toks cap: full batches of the capped budget
-    what = pricing.estimate(demo, next(s for s in settings.settings(demo) if s.label == "ancestral-4-1-0-T0.1"
+    what = pricing.estimate(demo, next(s for s in evaluations.evaluations(demo) if s.label == "ancestral-4-1-0-T0.1"
                                      and s.run == "gsm-masked-mix"), "gsm-masked-mix").what
     assert f"500 rows / {demo.batch_size} per call x {4 * 80 // 16} sampler calls" in what
     assert eval_cost.Work("likelihood", 16, 8, eval_cost.likelihood_passes((1, 16), 2)).batched_calls == 2 * 3
@@ -257,7 +257,7 @@ def test_the_rates_files_hold_what_the_dry_run_prices_with():
     assert "(0.094 s BlockGen over 2L, 0.057 s AR over L, batch 8 x 1,024)" in eval_cost.full_scale_assumptions()
     # given rates (a bench's fresh ones) price instead of the stored file's
     g = GRIDS["gsm8k-embedded"]
-    s = next(s for s in settings.settings(g) if (s.run, s.label) == ("tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"))
+    s = next(s for s in evaluations.evaluations(g) if (s.run, s.label) == ("tinygsm-embedded-masked-mix", "arpc-6-3-0-T0.1"))
     calls_only = replace(measured, setting_overhead_s={}, sandbox_program_s=None)
     doubled = replace(calls_only, rates={p: tuple(replace(r, call_s=2 * r.call_s) for r in rows if r.call_s)
                                          for p, rows in measured.rates.items()})
@@ -308,11 +308,11 @@ def test_full_scale_dry_run_prices_at_measured_rates_beside_the_bound_and_scores
 def test_sweep_precision_reaches_every_setting_and_its_own_folders():
     from blockgen.harness.evaluation.sweep import SweepConfig
 
-    plain = settings.settings(SweepConfig("gsm8k-embedded").resolved_grid())
+    plain = evaluations.evaluations(SweepConfig("gsm8k-embedded").resolved_grid())
     assert all("dtype" not in dict(s.extra) for s in plain)  # float32: settings (and rerun keys) as before
-    assert settings.settings(SweepConfig("gsm8k-embedded", dtype="auto").resolved_grid()) == plain
+    assert evaluations.evaluations(SweepConfig("gsm8k-embedded", dtype="auto").resolved_grid()) == plain
     g = SweepConfig("gsm8k-embedded", dtype="bfloat16", tf32=True).resolved_grid()
-    bf16 = settings.settings(g)
+    bf16 = evaluations.evaluations(g)
     assert len(bf16) == len(plain)
     for a, b in zip(plain, bf16):
         assert b.label == a.label + "-bfloat16-tf32"  # never the float32 results' folder
@@ -330,13 +330,13 @@ def test_full_scale_likelihoods_default_to_bf16_and_generation_stays_float32():
     within 1e-4 relative); their sampling, and every offline/CI grid, stays float32."""
     from blockgen.harness.evaluation.sweep import SweepConfig
 
-    full = settings.settings(SweepConfig("owt").resolved_grid())
+    full = evaluations.evaluations(SweepConfig("owt").resolved_grid())
     likelihood = [s for s in full if s.sampler is None]
     assert likelihood and all(dict(s.extra)["dtype"] == "bfloat16" and s.label == "likelihood-bfloat16" for s in likelihood)
     assert all("dtype" not in dict(s.extra) for s in full if s.sampler is not None)
-    assert all("dtype" not in dict(s.extra) for s in settings.settings(SweepConfig("owt-embedded").resolved_grid()))
+    assert all("dtype" not in dict(s.extra) for s in evaluations.evaluations(SweepConfig("owt-embedded").resolved_grid()))
     for asked in ("float32", "auto"):  # an explicit float32 wins: the float32 code path, its own folders
-        assert all("dtype" not in dict(s.extra) for s in settings.settings(SweepConfig("owt", dtype=asked).resolved_grid()))
+        assert all("dtype" not in dict(s.extra) for s in evaluations.evaluations(SweepConfig("owt", dtype=asked).resolved_grid()))
     text = io.StringIO()
     with redirect_stdout(text):
         assert cli.main(["sweep", "owt", "--dry-run"]) == 0

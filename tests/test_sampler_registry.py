@@ -113,7 +113,7 @@ def test_a_samplers_own_setting_is_validated_and_travels_with_the_setting(toy):
     `blockgen sample`, part of the sweep's results label and of the seeds' record (absent when not given)."""
     from blockgen.harness.evaluation.lm_eval_model.arguments import (BlockGenLMArgs, default_sampler, gen_kwargs_sampler,
                                                                    sampler_model_args)
-    from blockgen.harness.evaluation.settings import Setting
+    from blockgen.harness.evaluation.evaluations import Evaluation
 
     assert SamplerConfig("toy_leftmost").option("lead") == 1
     with pytest.raises(ValueError, match=r"sampler 'ancestral' has no setting \['lead'\]; its own settings: \[\]"):
@@ -130,7 +130,7 @@ def test_a_samplers_own_setting_is_validated_and_travels_with_the_setting(toy):
     assert "lead" in BlockGenLMArgs.user_args() and args.sampler_options == (("lead", 2),)
     sampler = default_sampler(args, model.config)
     assert sampler.option("lead") == 2 and sampler_model_args(sampler)["lead"] == 2
-    assert Setting("run", "ckpt", "task", sampler).label == "toy_leftmost-4-1-0-T1.0-lead2"
+    assert Evaluation("run", "ckpt", "task", sampler).label == "toy_leftmost-4-1-0-T1.0-lead2"
     again, _ = gen_kwargs_sampler(sampler, model.config, False, {"lead": 3})
     assert again.option("lead") == 3
     other, _ = gen_kwargs_sampler(sampler, model.config, False, {"sampler": "ancestral"})

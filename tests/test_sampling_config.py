@@ -132,7 +132,7 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
         assert (sampler["steps"], sampler["ge"], sampler["warmup"]) == (steps, ge, warmup)
     assert main(base + ["--nfe", "4", "--steps", "99"]) == 2
     assert "no arpc variant at NFE 4 with steps=99" in capsys.readouterr().err
-    # Without --nfe or --steps: the block size, the setting lm-eval's model args give (one rule, sampler_setting)
+    # Without --nfe or --steps: the block size, the setting lm-eval's model args give (one rule, sampler_config_for)
     from blockgen.harness.evaluation.lm_eval_model.arguments import BlockGenLMArgs, default_sampler
 
     assert main(base) == 0
@@ -162,7 +162,7 @@ def test_nfe_on_another_block_size_says_which_variant_it_took(caplog):
                             shape=ModelShape(n_layers=1, d_model=32, n_heads=4, cond_dim=16, dropout=0.0))
     arguments._warned.clear()
     with caplog.at_level(logging.WARNING):
-        sampler = arguments.sampler_setting(config, "arpc", nfe=4)
+        sampler = arguments.sampler_config_for(config, "arpc", nfe=4)
     assert (sampler.steps, sampler.ge, sampler.warmup) == settings_at("arpc", 4)
     assert "nfe=4: the paper's arpc variant for block size 16 (steps 3, ge 2, warmup 1); this model generates with block size 4" \
         in caplog.text

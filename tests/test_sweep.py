@@ -30,8 +30,8 @@ import pytest
 from blockgen.harness import cli
 from blockgen.harness.evaluation import sweep
 from blockgen.harness.evaluation.grids import GRIDS, Grid, ModelSource
-from blockgen.harness.evaluation import settings as grid_settings
-from blockgen.harness.evaluation.settings import Setting, families, settings
+from blockgen.harness.evaluation import evaluations as grid_evaluations
+from blockgen.harness.evaluation.evaluations import Evaluation, evaluations, families
 from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
 from blockgen.models.sampler_config import SamplerConfig
 from limits import HANG_S
@@ -49,7 +49,7 @@ def test_dry_run_lists_no_setting_twice(name):
         assert cli.main(["sweep", name, "--dry-run"]) == 0
     lines = [line for line in out.getvalue().splitlines() if not line.startswith(("#", "total:"))]
     g = GRIDS[name]
-    todo = settings(g)
+    todo = evaluations(g)
     assert len(lines) == len(todo) > 0
     assert len(set(lines)) == len(lines)  # no line twice
     assert len({s.key(g.k_mc) for s in todo}) == len(todo)
@@ -84,21 +84,21 @@ def test_full_scale_eval_is_one_launch_for_every_model(target, grid):
 
 def test_greedy_runs_once_whatever_the_temperature():
     g = GRIDS["owt"]
-    ar = [s for s in settings(g) if s.run == "owt-ar" and s.sampler is not None]
+    ar = [s for s in evaluations(g) if s.run == "owt-ar" and s.sampler is not None]
     greedy = [s for s in ar if s.sampler.name == "ar_greedy"]
     sampled = [s for s in ar if s.sampler.name == "ar_sample"]
     assert len(greedy) == 1 and greedy[0].temperature == g.temperatures[0]
     assert sorted(s.temperature for s in sampled) == sorted(g.temperatures)
     # the per-process grid's count, less the 7 repeated greedy runs
-    assert len(settings(g)) == len(g.models) + sum(
-        len(grid_settings.samplers(g, grid_settings.model_block_sizes(g, m, ""))) * len(g.temperatures) for m in g.models) - 7
+    assert len(evaluations(g)) == len(g.models) + sum(
+        len(grid_evaluations.samplers(g, grid_evaluations.model_block_sizes(g, m, ""))) * len(g.temperatures) for m in g.models) - 7
 
 
 def test_sampler_families_follow_block_sizes():
     assert families((1,)) == ("ar",)
     assert families((1, 16)) == ("arpc",) and families((1, 2, 4, 8, 16)) == ("arpc",)
     assert families((16,)) == families((1024,)) == ("ancestral", "eipc")
-    s = Setting("r", "ckpt", "t", SamplerConfig("arpc", 6, 3, 0))
+    s = Evaluation("r", "ckpt", "t", SamplerConfig("arpc", 6, 3, 0))
     assert s.label == "arpc-6-3-0-T1.0"  # the per-process Makefile's results folder
     assert s.model_args(2) == {"pretrained": "ckpt", "k_mc": 2, "sampler": "arpc", "steps": 6, "ge": 3, "warmup": 0,
                                "temperature": 1.0}
@@ -180,7 +180,7 @@ def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work
     again = run_sweep(config)
     assert (again.ran, again.skipped, again.model_loads, again.vllm_starts, again.scorer_loads) == (0, 3, 0, 0, 0)
     # another limit, scorer setting or checkpoint is another result: not skipped
-    g, (s, *_) = GRIDS["test-genppl"], settings(GRIDS["test-genppl"], str(work / "runs"))
+    g, (s, *_) = GRIDS["test-genppl"], evaluations(GRIDS["test-genppl"], str(work / "runs"))
     folder = work / "runs" / "results" / s.run / s.label
     sha = json.loads(next(folder.glob("*/results_*.json")).read_text())["config"]["model_sha"]
     assert sweep._done(folder, sweep._mark(s, g, sha, metadata))
@@ -210,7 +210,7 @@ def test_seed_seeds_as_lm_eval_does_and_is_recorded(work):
     assert sweep_cli("--seed", "5")["ran"] == 2  # likelihood and ARPC at T = 1
     assert recorded() == {(5, 5, 5, 5, 5, 5)}
     g = replace(GRIDS["owt-embedded"], models=("mix",), limit=2, k_mc=1)  # the command's
-    (s,) = [s for s in settings(g, str(work / "runs")) if s.sampler is None]
+    (s,) = [s for s in evaluations(g, str(work / "runs")) if s.sampler is None]
     sha = json.loads(next((out / s.run / s.label).glob("*/results_*.json")).read_text())["config"]["model_sha"]
     assert sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 5))
     assert not sweep._done(out / s.run / s.label, sweep._mark(s, g, sha, metadata, 6))

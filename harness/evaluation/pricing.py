@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from blockgen.harness.costs.eval_cost import CpuRates, Price
 from blockgen.harness.costs.rates import Rates, RateSource, full_scale_price, precision_label
 from blockgen.harness.evaluation.grids import Grid
-from blockgen.harness.evaluation.settings import GENPPL_TASKS, LIKELIHOOD, Setting, likelihood_args, model_block_sizes
+from blockgen.harness.evaluation.evaluations import GENPPL_TASKS, LIKELIHOOD, Evaluation, likelihood_args, model_block_sizes
 from blockgen.harness.training.presets import PRESETS, preset
 
 
-def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rates: Rates | None = None,
+def estimate(g: Grid, s: Evaluation, model: str, metadata: dict | None = None, rates: Rates | None = None,
              cpu_rates: CpuRates | None = None) -> Price:
     """One setting's price (`eval_cost.Price`). Full-scale grids (`eval_cost.plan_cost`: this project's presets
     are the paper's networks): GPU-seconds at the MEASURED rates of `rates` (harness/costs/rates.py) in the setting's
@@ -68,7 +68,7 @@ def estimate(g: Grid, s: Setting, model: str, metadata: dict | None = None, rate
     return Price(seconds, work.describe() + (f"; {note}" if note else "") + (f"; {eval_cost.ADAPTIVE_NOTE}" if adaptive else ""))
 
 
-def dry_run(g: Grid, todo: list[Setting], out=None, metadata: dict | None = None, source: RateSource | None = None) -> float:
+def dry_run(g: Grid, todo: list[Evaluation], out=None, metadata: dict | None = None, source: RateSource | None = None) -> float:
     """One line per setting with its price, a subtotal per model and the total, the pricing's assumptions
     and (full scale) the rates file named in the header; returns the total headline seconds (CPU offline;
     full scale: at the measured rates of `source`, the FLOP bound where it has none)."""
@@ -148,7 +148,7 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def priced(g: Grid, todo: list[Setting], metadata: dict | None = None, rates: Rates | None = None) -> list[float]:
+def priced(g: Grid, todo: list[Evaluation], metadata: dict | None = None, rates: Rates | None = None) -> list[float]:
     """Each setting's cost as the dry run prices it (`estimate`): what the shards are split by and the
     progress bar is weighted by. A setting without a price counts as the median of the priced ones (1 when
     none is): unknown work is spread over the shards like typical work, where 0 would pile every unpriced

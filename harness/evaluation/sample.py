@@ -25,7 +25,7 @@ from tqdm import tqdm
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
-from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_setting
+from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_config_for
 from blockgen.harness.evaluation.paper_variants import settings_at
 from blockgen.models import samplers
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = resolve(args.checkpoint, ReleaseOverrides(tokenizer=args.tokenizer))
         model, tokenizer = load_checkpoint(checkpoint, device=device)
         # the same rule as lm-eval's --model_args (steps default to the block size, nfe picks the variant)
-        config = sampler_setting(model.config, args.sampler, nfe=args.nfe, steps=args.steps, ge=args.ge, warmup=args.warmup,
+        config = sampler_config_for(model.config, args.sampler, nfe=args.nfe, steps=args.steps, ge=args.ge, warmup=args.warmup,
                                  temperature=args.temperature, block_size=args.block_size,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed, layout=args.layout,
                                  options=tuple((name, getattr(args, name)) for name in samplers.options()

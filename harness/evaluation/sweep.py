@@ -8,7 +8,7 @@
 
 A grid (`GRIDS` in harness/evaluation/grids.py, the one home of the evaluation grids; the variants by NFE come
 from `paper_variants`) names the models, the tasks and the sampler x NFE x temperature settings; its settings
-are listed by harness/evaluation/settings.py and priced by harness/evaluation/pricing.py (the dry run,
+are listed by harness/evaluation/evaluations.py and priced by harness/evaluation/pricing.py (the dry run,
 `--shard I/N`, the progress bar's weights).
 
 Per checkpoint the process loads the model once and evaluates every setting on it through lm-eval's
@@ -57,7 +57,7 @@ from typing import Any
 from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source
 from blockgen.harness.evaluation.grids import FULL_FIELD, GRIDS, Grid, ModelSource, grid
 from blockgen.harness.evaluation.pricing import SHARD_FORM, Shard, dry_run, headline_price, priced, split
-from blockgen.harness.evaluation.settings import GENPPL_TASKS, Setting, checkpoint_of, settings
+from blockgen.harness.evaluation.evaluations import GENPPL_TASKS, Evaluation, checkpoint_of, evaluations
 from blockgen.harness.runtime.distributed import decided_on_rank0, ranks_from_env, setup_distributed
 from blockgen.harness.runtime.precision import DTYPES, check_dtype
 from blockgen.harness.training.presets import PRESETS
@@ -96,7 +96,7 @@ class SweepConfig:
     dry_run: bool = False
     progress: bool = True
     # the adapter's precision for every setting (harness/runtime/precision.py); other than float32, results go
-    # to folders named with it (`Setting.label`), so they never mix with float32 results. None: the
+    # to folders named with it (`Evaluation.label`), so they never mix with float32 results. None: the
     # grid's (float32, likelihoods of full-scale grids bfloat16: `Grid.likelihood_dtype`)
     dtype: str | None = None
     tf32: bool = False
@@ -164,7 +164,7 @@ def _results_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*/results_*.json")) if folder.is_dir() else []
 
 
-def _mark(s: Setting, g: Grid, sha: str, metadata: dict, seed: int | None = None) -> dict:
+def _mark(s: Evaluation, g: Grid, sha: str, metadata: dict, seed: int | None = None) -> dict:
     """What a results file must record to stand for a setting: the setting (model arguments and task),
     the checkpoint's hash, the limit, the sweep's task metadata (scorer, sample count, ...) and seed."""
     return {"setting": s.key(g.k_mc), "checkpoint_sha": sha, "limit": g.limit,
@@ -275,7 +275,7 @@ def _task_manager(metadata: dict):
     return TaskManager(include_path=str(tasks_dir()), include_defaults=False, metadata=metadata)
 
 
-def _load_model(setting: Setting, g: Grid, device: str, seed: int | None = None):
+def _load_model(setting: Evaluation, g: Grid, device: str, seed: int | None = None):
     """The model as a fresh `lm_eval` process builds it (seeded first), and the torch random state after."""
     import torch
 
@@ -299,7 +299,7 @@ def _restore(state) -> None:
 
 def run_sweep(config: SweepConfig) -> SweepReport:
     g = config.resolved_grid()
-    todo = settings(g, config.runs)
+    todo = evaluations(g, config.runs)
     shard = str(config.shard) if config.shard else None
     source = config.rate_source(g)
     rates = source.rates if source else None
@@ -325,12 +325,12 @@ def run_sweep(config: SweepConfig) -> SweepReport:
     report = SweepReport(settings=len(todo), shard=shard)
     root = config.results_root()
     pool = _Scorers(config.metadata, config.device, root)
-    by_checkpoint: dict[str, list[Setting]] = {}
+    by_checkpoint: dict[str, list[Evaluation]] = {}
     for s in todo:
         by_checkpoint.setdefault(s.checkpoint, []).append(s)
     bar = _Progress(todo, costs, enabled=config.progress and ranks_from_env().is_main)
 
-    def failed(s: Setting, mark: dict, err: Exception) -> None:
+    def failed(s: Evaluation, mark: dict, err: Exception) -> None:
         _record_failure(root / s.run / s.label, mark, err)
         report.failed.append(f"{s.run}/{s.label}")
         bar.finished(s)
@@ -384,7 +384,7 @@ class _Progress:
     likelihood weighs as much as dozens of generation settings). A skipped setting (done before) leaves
     the total: no work of this run, which would otherwise make the rate look faster than it is."""
 
-    def __init__(self, todo: list[Setting], costs: list[float], enabled: bool = True) -> None:
+    def __init__(self, todo: list[Evaluation], costs: list[float], enabled: bool = True) -> None:
         from tqdm.auto import tqdm
 
         self.weights = {(s.run, s.label): cost for s, cost in zip(todo, costs)}
@@ -392,15 +392,15 @@ class _Progress:
         self.bar = tqdm(total=sum(costs), desc="blockgen sweep", disable=not enabled,
                         bar_format="{desc}: {percentage:3.0f}% of the priced work |{bar}| [{elapsed}<{remaining}]{postfix}")
 
-    def skipped(self, s: Setting) -> None:
+    def skipped(self, s: Evaluation) -> None:
         self.ended += 1
         self.bar.total -= self.weights[s.run, s.label]
         self.bar.refresh()
 
-    def started(self, s: Setting) -> None:
+    def started(self, s: Evaluation) -> None:
         self.bar.set_postfix_str(f"{self.ended}/{self.count} settings; {s.run} {s.label}", refresh=True)
 
-    def finished(self, s: Setting) -> None:
+    def finished(self, s: Evaluation) -> None:
         self.ended += 1
         self.bar.update(self.weights[s.run, s.label])
 
@@ -408,7 +408,7 @@ class _Progress:
         self.bar.close()
 
 
-def _require_checkpoints(g: Grid, todo: list[Setting]) -> None:
+def _require_checkpoints(g: Grid, todo: list[Evaluation]) -> None:
     """Every checkpoint of the sweep is there before the first model loads: a missing one is a model
     not trained yet, said in one line with the command that trains it."""
     if g.source is ModelSource.RELEASED:  # releases are fetched and converted when they load
@@ -454,7 +454,7 @@ def run_task(model: Any, model_args: dict, task: str, metadata: dict, *, batch_s
                            task_manager=_task_manager(metadata), metadata=None, **seeds)
 
 
-def _evaluate(s: Setting, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str, seed: int | None = None) -> None:
+def _evaluate(s: Evaluation, g: Grid, lm, rng, pool: _Scorers, folder: Path, device: str, seed: int | None = None) -> None:
     from lm_eval.loggers import EvaluationTracker
 
     args = s.model_args(g.k_mc)

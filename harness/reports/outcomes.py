@@ -132,11 +132,11 @@ def run_settings(runs: str | Path, out_dir: str | Path, limit: int, progress: bo
 
 def collect(runs: str | Path, results: str | Path, limit: int | None) -> dict[str, SettingOutcomes]:
     """label -> outcomes of every grid setting found under a results root (settings not run are absent)."""
-    from blockgen.harness.evaluation.settings import settings
+    from blockgen.harness.evaluation.evaluations import evaluations
 
     g = _grid(limit)
     out = {}
-    for s in settings(g, str(runs)):
+    for s in evaluations(g, str(runs)):
         folder = Path(results) / s.run / s.label
         if folder.is_dir():
             out[s.label] = read_results(folder, s.task, s.label, _stored_args(s.model_args(g.k_mc)))

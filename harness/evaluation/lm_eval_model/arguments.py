@@ -1,5 +1,5 @@
 """The ``blockgen`` model type's arguments: lm-eval's ``--model_args`` parsed and checked once
-(`BlockGenLMArgs`), and a sampler setting to and from them in one place: `sampler_setting` (a sampler's
+(`BlockGenLMArgs`), and a sampler setting to and from them in one place: `sampler_config_for` (a sampler's
 options on a checkpoint -> `SamplerConfig`, the paper's variant when ``nfe=N`` is given; `blockgen sample`
 uses it too), `default_sampler` (model arguments through it), `sampler_model_args` (the inverse, for the
 sweep and the demo) and `gen_kwargs_sampler` (a task's ``gen_kwargs`` over them)."""
@@ -144,7 +144,7 @@ def _gen_batch_size(value: Any) -> int:
                      "for generation batches of --batch_size (its 'auto' included)")
 
 
-def sampler_setting(config: BlockGenConfig, name: str, *, nfe: int | None = None, steps: int | None = None,
+def sampler_config_for(config: BlockGenConfig, name: str, *, nfe: int | None = None, steps: int | None = None,
                     ge: int | None = None, warmup: int | None = None, temperature: float | None = None,
                     block_size: int | None = None, max_new_tokens: int | None = None, layout: str = "grid",
                     seed: int = 0, options: tuple[tuple[str, Any], ...] = ()) -> SamplerConfig:
@@ -176,7 +176,7 @@ def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
     else:
         name = "ancestral"
     try:
-        sampler = sampler_setting(config, name, nfe=a.nfe, steps=a.steps, ge=a.ge, warmup=a.warmup,
+        sampler = sampler_config_for(config, name, nfe=a.nfe, steps=a.steps, ge=a.ge, warmup=a.warmup,
                                   temperature=a.temperature, block_size=a.block_size, max_new_tokens=a.max_gen_toks,
                                   layout=a.layout, options=a.sampler_options)
     except ValueError as err:

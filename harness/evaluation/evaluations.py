@@ -1,10 +1,10 @@
-"""A grid's settings: one lm-eval run each, a task on a checkpoint with one sampler setting
+"""A grid's evaluations (`Evaluation`): one lm-eval run each, a task on a checkpoint with one sampler setting
 (`SamplerConfig`, the one type of a sampler setting; none for the likelihood task). Per model: the
 likelihood task once, then per sampler family (`families`: AR decoding for block size 1 alone, ARPC
 for mixtures with block size 1, ancestral and EIPC otherwise) every variant of the grid at every
-temperature. Settings that decode the same way are kept once (`ar_greedy` does not read the
-temperature: it runs at the grid's first one). A setting's model arguments are its sampler's
-(`sampler_model_args`, the adapter's one spelling) plus the grid's.
+temperature, then the grid's field samplers (`Grid.field`). Evaluations that decode the same way are kept once
+(`ar_greedy` does not read the temperature: it runs at the grid's first one). An evaluation's model arguments
+are its sampler's (`sampler_model_args`, the adapter's one spelling) plus the grid's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ GENPPL_TASKS = ("owt_genppl", "owt_genppl_embedded")
 
 
 @dataclass(frozen=True)
-class Setting:
+class Evaluation:
     """One lm-eval run: a task on a checkpoint with one sampler setting (likelihood: no sampler)."""
 
     run: str  # the model's run name (Grid.run_name)
@@ -119,14 +119,14 @@ def likelihood_args(g: Grid) -> tuple[tuple[str, Any], ...]:
     return (*g.model_args, ("dtype", g.likelihood_dtype))
 
 
-def settings(g: Grid, runs: str = "runs") -> list[Setting]:
+def evaluations(g: Grid, runs: str = "runs") -> list[Evaluation]:
     """Every setting of a grid, deduplicated (the first of equal settings is kept), per model:
     likelihood first, then sampler by sampler, each at every temperature."""
-    out: dict[str, Setting] = {}
+    out: dict[str, Evaluation] = {}
     for model in g.models:
         run, ckpt = g.run_name(model), checkpoint_of(g, model, runs)
-        todo = [Setting(run, ckpt, g.likelihood_task, extra=likelihood_args(g))] if g.likelihood_task else []
-        todo += [Setting(run, ckpt, g.generation_task, replace(s, temperature=t), g.model_args)
+        todo = [Evaluation(run, ckpt, g.likelihood_task, extra=likelihood_args(g))] if g.likelihood_task else []
+        todo += [Evaluation(run, ckpt, g.generation_task, replace(s, temperature=t), g.model_args)
                  for s in samplers(g, model_block_sizes(g, model, ckpt)) for t in g.temperatures]
         for s in todo:
             out.setdefault(s.key(g.k_mc), s)
