@@ -100,7 +100,8 @@ def accuracy_vs_nfe(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
                 ax.set_ylim(middle - MIN_ACCURACY_SPAN / 2, middle + MIN_ACCURACY_SPAN / 2)
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(f"{task} accuracy (%)")
-        axes[0][-1].legend(fontsize=7, loc="lower right")
+        # beside the panels, not over the points (a dozen sampler lines once the field's samplers run)
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         fig.suptitle(f"{task}: accuracy vs NFE, block size {block}, best variant per NFE (bars: +-1 s.e.)", fontsize=11)
         written.append(_save(plt, fig, Path(out_dir) / f"accuracy_vs_nfe_{_slug(task)}_b{block}.png"))
     return written
