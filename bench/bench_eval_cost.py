@@ -170,14 +170,14 @@ def setting_overhead_s(runs: str, scorer: str, limit: int, repeats: int, measure
     loaded, best of repeats) minus the work `pricing.estimate` prices from the rates just `measured`."""
     import tempfile
 
-    from blockgen.harness.evaluation import pricing, settings, sweep
+    from blockgen.harness.evaluation import evaluations, pricing, sweep
 
     out: dict[str, float] = {}
     metadata = {"scorer_model": scorer}
     with tempfile.TemporaryDirectory() as tmp:
         for task, (grid_name, model, label) in OVERHEAD_SETTINGS.items():
             g = replace(GRIDS[grid_name], limit=limit)
-            found = [s for s in settings.settings(g, runs) if s.run == g.run_name(model) and s.label == label]
+            found = [s for s in evaluations.evaluations(g, runs) if s.run == g.run_name(model) and s.label == label]
             if not found or not (Path(found[0].checkpoint) / "config.json").is_file():
                 print(f"overhead of {task}: no checkpoint {g.run_name(model)} under {runs}; skipped")
                 continue

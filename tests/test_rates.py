@@ -25,7 +25,7 @@ import pytest
 from blockgen.harness.checkpoints import checkpoint
 from blockgen.harness import cli
 from blockgen.harness.costs import data_file, rates
-from blockgen.harness.evaluation import pricing, settings, sweep
+from blockgen.harness.evaluation import evaluations, pricing, sweep
 from blockgen.harness.costs.rates import PassRate, RatesError, TrainRate, read_rates, write_rates
 
 TOTAL = re.compile(r"total: .*, ([0-9.]+) h \(([0-9.]+) GPU-h at measured rates \((.*)\) \+ ([0-9.]+) H200-h FLOP bound "
@@ -243,7 +243,7 @@ def test_progress_bar_is_weighted_by_the_priced_costs(tmp_path, monkeypatch):
     config = sweep.SweepConfig("owt", runs=str(tmp_path / "runs"), out_dir=str(tmp_path / "out"), models=("ar", "masked-mix"))
     report = sweep.run_sweep(config)
     g = config.resolved_grid()
-    todo = settings.settings(g, config.runs)
+    todo = evaluations.evaluations(g, config.runs)
     costs = pricing.priced(g, todo, config.metadata, rates.read_rates(rates.STORED_RATES))
     assert (report.skipped, report.ran) == (1, len(todo) - 1) and todo[0].label == "likelihood-bfloat16"
     (bar,) = bars

@@ -37,7 +37,7 @@ from blockgen.harness.costs.eval_cost import Price
 from blockgen.harness.evaluation.grids import GRIDS
 from blockgen.harness.evaluation import pricing
 from blockgen.harness.evaluation.pricing import Shard, priced, split
-from blockgen.harness.evaluation.settings import settings
+from blockgen.harness.evaluation.evaluations import evaluations
 from blockgen.harness.evaluation.sweep import SweepConfig, run_sweep
 from limits import HANG_S
 from test_sweep import BIN, ENV, REPO, work  # noqa: F401  (work: the trained micro mixture and scorer)
@@ -79,7 +79,7 @@ def test_split_is_deterministic_and_balanced_on_random_costs():
 @pytest.mark.parametrize("name", sorted(GRIDS))
 def test_split_is_balanced_on_every_grids_priced_costs(name):
     g = GRIDS[name]
-    todo = settings(g, "/nonexistent")
+    todo = evaluations(g, "/nonexistent")
     costs = priced(g, todo)
     assert len(costs) == len(todo) and all(c > 0 for c in costs)
     for count in (2, 3, 8):
@@ -88,7 +88,7 @@ def test_split_is_balanced_on_every_grids_priced_costs(name):
 
 def test_an_unpriced_setting_counts_as_the_median_price(monkeypatch):
     g = GRIDS["owt-embedded"]
-    todo = settings(g, "/nonexistent")[:5]
+    todo = evaluations(g, "/nonexistent")[:5]
     prices = iter([None, 1.0, 2.0, None, 10.0])
     monkeypatch.setattr(pricing, "estimate", lambda *args: Price(next(prices), ""))
     assert priced(g, todo) == [2.0, 1.0, 2.0, 2.0, 10.0]
