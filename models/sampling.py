@@ -440,7 +440,8 @@ def diffusion_block(dec: Decoder, config: SamplerConfig, generator: Randomness, 
 
 def entropy(log_p: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of each distribution (..., V) given as log-probabilities; 0 log 0 = 0."""
-    return -torch.special.xlogy(log_p.exp(), log_p.exp()).sum(-1)
+    p = log_p.exp()
+    return -torch.special.xlogy(p, p).sum(-1)
 
 
 def on_score_grid(score: torch.Tensor) -> torch.Tensor:
