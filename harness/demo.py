@@ -10,8 +10,9 @@ The AR model trains first and alone, on every worker's core, since the mixtures 
 weights (`WARM_STARTS`) and nothing else can run before it.
 
 Nothing is lost on a crash: models are normal checkpoints under `out_dir/<preset>/checkpoint` (a
-rerun resumes or skips them) and each evaluation is a results file under `out_dir/results/` that a
-rerun keeps while the checkpoint it scored is unchanged. The demo ends with `out_dir/leaderboard.json`
+rerun resumes them; a finished one is kept by its record `demo-training.json`, its likelihood pass by
+`demo-likelihood.json`) and each evaluation is a results file under `out_dir/results/` that a rerun
+keeps while the checkpoint it scored is unchanged: a rerun with nothing left to do starts no worker. The demo ends with `out_dir/leaderboard.json`
 (leaderboard schema), a printed table, PNG plots and the static page under `out_dir/page/`.
 """
 
@@ -184,6 +185,42 @@ def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
     return results.get("config", {}).get("model_sha") == checkpoint_sha
 
 
+# A model's finished jobs other than its evaluations (those are results files, `_fresh`): the training run and the
+# likelihood pass, each recorded beside the checkpoint with what it depended on, so a rerun reuses them as it
+# reuses the results files, without starting a worker process.
+def _training_record(train_config: TrainConfig) -> Path:
+    return Path(train_config.out_dir) / "demo-training.json"
+
+
+def _likelihood_record(train_config: TrainConfig) -> Path:
+    return Path(train_config.out_dir) / "demo-likelihood.json"
+
+
+def _likelihood_key(train_config: TrainConfig) -> dict:
+    return {"data": train_config.to_dict()["data"], "seq_len": train_config.seq_len, "k_mc": train_config.k_mc}
+
+
+def _write_record(path: Path, key: dict, checkpoint_sha: str, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "checkpoint_sha": checkpoint_sha, "result": result}, indent=2))
+    tmp.replace(path)
+
+
+def _fresh_record(path: Path, key: dict, checkpoint_sha: str | None = None) -> dict | None:
+    """The recorded result when it was made under `key` from the checkpoint with this hash (for a training
+    record: the checkpoint it names, hashed now); None when any of it differs or is missing."""
+    from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
+
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != json.loads(json.dumps(key)):  # compared as stored: tuples are lists there
+            return None
+        sha = checkpoint_sha or checkpoint_hash(record["result"]["checkpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record["result"] if record["checkpoint_sha"] == sha else None
+
+
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -269,12 +306,43 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
     summary: dict[str, dict] = {name: {} for name in models}
     results_files: dict[str, list[Path]] = {name: [] for name in models}
     bar = tqdm(desc="demo jobs", unit="job", total=len(models))
+    # Worker processes start at the first job submitted: a rerun with everything fresh starts none.
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
         pending: dict[Future, tuple] = {}
 
         def submit_training(name: str, threads: int) -> None:
+            if (record := _fresh_record(_training_record(models[name]), models[name].to_dict())) is not None:
+                bar.write(f"{name}: trained earlier ({record['train_seconds']:.0f} s), checkpoint unchanged: kept")
+                trained(name, record)
+                return
             log = out / "logs" / f"train-{name}.log"
             pending[pool.submit(_logged, log, _train_job, models[name], threads)] = ("train", name)
+
+        def trained(name: str, result: dict) -> None:
+            summary[name].update(result)
+            checkpoint = result["checkpoint"]
+            sha = checkpoint_hash(checkpoint)  # once per model: it reads the weights
+            _write_record(_training_record(models[name]), models[name].to_dict(), sha, result)
+            for child in children[name]:  # before this model's evaluations: the longer jobs first
+                submit_training(child, 1)
+            nll_key = _likelihood_key(models[name])
+            if (nll := _fresh_record(_likelihood_record(models[name]), nll_key, sha)) is not None:
+                summary[name]["likelihood"] = nll
+            else:
+                pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = (
+                    "nll", name, sha)
+                bar.total += 1
+            for sampler in samplers_for(models[name].block_sizes, config.temperatures, config.nfes):
+                label = sampler_label(sampler)
+                path = out / "results" / name / f"{label}.json"
+                results_files[name].append(path)
+                if _fresh(path, sha):
+                    continue
+                log = out / "logs" / f"eval-{name}-{label}.log"
+                pending[pool.submit(_logged, log, _eval_job, checkpoint, sampler, config, difficulty, str(path))] = ("eval", name, label)
+                bar.total += 1
+            bar.update()
+            bar.refresh()
 
         for name in first:  # a lone first model (the AR parent) may use every core: nothing else can run
             submit_training(name, jobs if len(first) == 1 else 1)
@@ -285,28 +353,14 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
             for future in done:
                 kind, name, *rest = pending.pop(future)
                 result = future.result()  # a failed job stops the demo with its error (its log says more)
-                bar.update()
                 if kind == "train":
-                    summary[name].update(result)
-                    checkpoint = result["checkpoint"]
-                    bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {checkpoint}")
-                    for child in children[name]:  # before this model's evaluations: the longer jobs first
-                        submit_training(child, 1)
-                    pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = ("nll", name)
-                    bar.total += 1
-                    sha = checkpoint_hash(checkpoint)  # once per model: it reads the weights
-                    for sampler in samplers_for(models[name].block_sizes, config.temperatures, config.nfes):
-                        label = sampler_label(sampler)
-                        path = out / "results" / name / f"{label}.json"
-                        results_files[name].append(path)
-                        if _fresh(path, sha):
-                            continue
-                        log = out / "logs" / f"eval-{name}-{label}.log"
-                        pending[pool.submit(_logged, log, _eval_job, checkpoint, sampler, config, difficulty, str(path))] = ("eval", name, label)
-                        bar.total += 1
-                    bar.refresh()
-                elif kind == "nll":
+                    bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {result['checkpoint']}")
+                    trained(name, result)
+                    continue
+                bar.update()
+                if kind == "nll":
                     summary[name]["likelihood"] = result
+                    _write_record(_likelihood_record(models[name]), _likelihood_key(models[name]), rest[0], result)
                 else:
                     bar.write(f"{name:<16} {rest[0]:<30} accuracy {_pct(result['accuracy'])} ± {_pct(result['accuracy_stderr'])}")
     bar.close()

@@ -44,6 +44,16 @@ def test_mcnemar_exact_against_a_hand_computation():
     assert mcnemar_exact(10, 0) == pytest.approx(2 / 2**10, rel=1e-12)
 
 
+def test_mcnemar_exact_equals_scipys_binomial_test():
+    from scipy.stats import binomtest
+
+    for a in range(0, 41, 3):
+        for b in range(0, 41, 4):
+            want = 1.0 if a + b == 0 else binomtest(a, a + b, 0.5).pvalue
+            assert mcnemar_exact(a, b) == pytest.approx(want, rel=1e-9, abs=1e-300), (a, b)
+    assert mcnemar_exact(900, 700) == pytest.approx(binomtest(900, 1600, 0.5).pvalue, rel=1e-6)
+
+
 def test_wilson_interval_by_its_definition():
     # the Wilson interval's ends are the p0 where |p - p0| = z sqrt(p0 (1 - p0) / n)
     low, high = wilson(17, 40)

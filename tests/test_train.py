@@ -274,10 +274,15 @@ def test_demo_command_end_to_end(tmp_path):
     # Nothing lost, nothing redone: a rerun keeps the checkpoint and every results file.
     results = sorted((out / "results").rglob("*.json"))
     stamps = [p.stat().st_mtime_ns for p in results]
+    logs = {p: p.stat().st_size for p in (out / "logs").iterdir()}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [p.stat().st_mtime_ns for p in results] == stamps
     assert leaderboard.read(out / "leaderboard.json").rows == rows
+    # the trainings and likelihood passes are kept by their records: no job ran, so no worker log grew
+    assert {p: p.stat().st_size for p in (out / "logs").iterdir()} == logs
+    assert "ci-ar: trained earlier" in again.stdout and "ci: trained earlier" in again.stdout
+    assert json.loads((out / "summary.json").read_text())["models"]["ci"]["likelihood"] == info
     # A second training seed: seed 0 is the run above (kept as it is), seed 1 trains anew under
     # seed-1/ with its own warm start, and the findings are pooled over the two runs.
     seeds = subprocess.run([*cmd, "--seeds", "0", "1"], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
