@@ -48,7 +48,8 @@ CLI_STAGES = ("train", "ddp", "generate", "lm_eval")
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """One `blockgen gpu-check --device cpu` at micro size (about a minute alone): (summary, stderr, out dir)."""
+    """One `blockgen gpu-check --device cpu` at micro size (about 25 s alone): (summary, stderr, out dir). It shares the
+    machine: against the 480 s budget (a stage's unused share passes to the next) a busy core cannot truncate a stage."""
     out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([str(REPO / ".venv" / "bin" / "blockgen"), "gpu-check", "--device", "cpu", "--out-dir", str(out),
@@ -57,7 +58,6 @@ def cli_run(tmp_path_factory):
     return json.loads(proc.stdout), proc.stderr, out
 
 
-@pytest.mark.whole_machine
 def test_cpu_mode_through_the_real_command_line(cli_run):
     """The stages at micro size through `blockgen gpu-check --device cpu`."""
     summary, _, out = cli_run
@@ -115,7 +115,6 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
     assert training_tokens_per_s(rates, "uniform", CPU_SCALE.seq_len) == largest["tokens_per_s"]
 
 
-@pytest.mark.whole_machine
 def test_the_command_prints_one_table(cli_run):
     """After the JSON (stdout), the table on stderr: one line per stage with its status, share and key figure."""
     summary, stderr, _ = cli_run
