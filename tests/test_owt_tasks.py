@@ -273,7 +273,7 @@ def test_owt_genppl_missing_scorer_fails_before_generating(work, mix_checkpoint)
 
 def test_owt_genppl_vllm_scorer_agrees_with_transformers(work, mix_checkpoint, scorer_dir, genppl_transformers):
     """The same samples (same seed) scored through a vLLM server the harness starts: Gen PPL to 1e-3.
-    Over 30 s (about 60 s): a real vLLM engine starts on the CPU (most of it); nothing smaller serves the model."""
+    Over 30 s (about 35 s): a real vLLM engine starts on the CPU (most of it); nothing smaller serves the model."""
     python = vllm_python()
     out = work / "gen-vllm"
     meta = json.dumps({"scorer_model": str(scorer_dir), "num_samples": N_SAMPLES, "scorer": "vllm"})

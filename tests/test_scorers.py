@@ -293,7 +293,7 @@ def test_no_vllm_installed_is_a_clear_error(scorer_dir, monkeypatch):
 
 def test_real_vllm_agrees_with_transformers_then_dies_cleanly(scorer_dir, texts, monkeypatch):
     """The real vLLM server's scores equal the in-process transformers scorer's, and its process group is gone
-    after. Over 30 s (about 35 s): a real vLLM engine starting on the CPU."""
+    after. Over 30 s (about 30 s idle): a real vLLM engine starting on the CPU."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     config = ScorerConfig(backend="vllm", model=str(scorer_dir), vllm_python=vllm_python())
     want = score_texts(TransformersScorer(ScorerConfig(model=str(scorer_dir))), texts, progress=False)

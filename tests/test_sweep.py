@@ -152,7 +152,7 @@ def test_with_settings_generates_what_a_fresh_model_generates(work):
 
 
 def test_sweep_of_genppl_settings_starts_one_vllm_server_and_skips_on_rerun(work, monkeypatch):
-    """Three Gen PPL settings in one sweep share one vLLM server; a rerun skips them. Over 30 s (about 40 s):
+    """Three Gen PPL settings in one sweep share one vLLM server; a rerun skips them. Over 30 s (about 30 s):
     a real vLLM engine starts on the CPU, the point of the test."""
     python = vllm_python()
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -228,7 +228,7 @@ def test_cli_resume_says_where_it_resumed(workdir):
 def test_demo_command_end_to_end(tmp_path):
     """`blockgen demo` (the README's main job) on the CI preset: trains, sweeps the samplers in worker
     processes, writes a leaderboard whose bounds hold, plots and a page; a rerun redoes nothing.
-    Over 30 s (about 60-90 s): the whole main job end to end (two trainings, the sampler sweep, the reports);
+    Over 30 s (about 40-50 s): the whole main job end to end (two trainings, the sampler sweep, the reports);
     a smaller one would not be the command a newcomer runs."""
     from blockgen.harness.reports import leaderboard
 
