@@ -206,19 +206,25 @@ def _write_record(path: Path, key: dict, checkpoint_sha: str, result: dict) -> N
     tmp.replace(path)
 
 
-def _fresh_record(path: Path, key: dict, checkpoint_sha: str | None = None) -> dict | None:
-    """The recorded result when it was made under `key` from the checkpoint with this hash (for a training
-    record: the checkpoint it names, hashed now); None when any of it differs or is missing."""
+def _fresh_record(path: Path, key: dict, checkpoint_sha: str | None) -> dict | None:
+    """The recorded result when it was made under `key` from the checkpoint with this hash; None when any of
+    it differs or is missing (no checkpoint: `checkpoint_sha` None)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    fresh = checkpoint_sha is not None and record.get("checkpoint_sha") == checkpoint_sha
+    # compared as stored: tuples are lists there
+    return record.get("result") if fresh and record.get("key") == json.loads(json.dumps(key)) else None
+
+
+def _checkpoint_sha(directory: Path) -> str | None:
     from blockgen.harness.checkpoints.checkpoint import checkpoint_hash
 
     try:
-        record = json.loads(path.read_text())
-        if record["key"] != json.loads(json.dumps(key)):  # compared as stored: tuples are lists there
-            return None
-        sha = checkpoint_sha or checkpoint_hash(record["result"]["checkpoint"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return checkpoint_hash(directory)
+    except OSError:  # not trained yet, or an incomplete directory
         return None
-    return record["result"] if record["checkpoint_sha"] == sha else None
 
 
 def usable_cores() -> int:
@@ -311,18 +317,17 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
         pending: dict[Future, tuple] = {}
 
         def submit_training(name: str, threads: int) -> None:
-            if (record := _fresh_record(_training_record(models[name]), models[name].to_dict())) is not None:
+            sha = _checkpoint_sha(Path(models[name].out_dir) / "checkpoint")
+            if (record := _fresh_record(_training_record(models[name]), models[name].to_dict(), sha)) is not None:
                 bar.write(f"{name}: trained earlier ({record['train_seconds']:.0f} s), checkpoint unchanged: kept")
-                trained(name, record)
+                trained(name, record, sha)
                 return
             log = out / "logs" / f"train-{name}.log"
             pending[pool.submit(_logged, log, _train_job, models[name], threads)] = ("train", name)
 
-        def trained(name: str, result: dict) -> None:
+        def trained(name: str, result: dict, sha: str) -> None:
             summary[name].update(result)
             checkpoint = result["checkpoint"]
-            sha = checkpoint_hash(checkpoint)  # once per model: it reads the weights
-            _write_record(_training_record(models[name]), models[name].to_dict(), sha, result)
             for child in children[name]:  # before this model's evaluations: the longer jobs first
                 submit_training(child, 1)
             nll_key = _likelihood_key(models[name])
@@ -355,7 +360,9 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                 result = future.result()  # a failed job stops the demo with its error (its log says more)
                 if kind == "train":
                     bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {result['checkpoint']}")
-                    trained(name, result)
+                    sha = checkpoint_hash(result["checkpoint"])  # once per model: it reads the weights
+                    _write_record(_training_record(models[name]), models[name].to_dict(), sha, result)
+                    trained(name, result, sha)
                     continue
                 bar.update()
                 if kind == "nll":
