@@ -40,7 +40,7 @@ from blockgen.harness.evaluation import sample, paper_variants, sweep, vllm_serv
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
 from blockgen.harness.gpu_check.config import GpuCheckConfig
-from blockgen.harness.training.presets import DEMO_PRESETS, PRESETS, preset, preset_table
+from blockgen.harness.training.presets import PRESETS, preset, preset_table
 from blockgen.harness.training.train_config import TrainConfig
 from blockgen.harness.training.train_scorer import ScorerTrainConfig
 from blockgen.harness.data.wordproblems import DIFFICULTIES
@@ -98,13 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU, sweep the samplers")
     demo_p.add_argument("--out-dir", default=DemoConfig.out_dir)
     demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
-    demo_p.add_argument("--presets", nargs="+", default=list(DEMO_PRESETS), choices=sorted(PRESETS), metavar="NAME",
+    demo_p.add_argument("--presets", nargs="+", default=list(DemoConfig.presets), choices=sorted(PRESETS), metavar="NAME",
                         help="the presets to train and sweep (default: %(default)s)")
     demo_p.add_argument("--problems", type=int, default=DemoConfig.problems, help="held-out test problems per evaluation")
     demo_p.add_argument("--jobs", type=int, default=DemoConfig.jobs, help="worker processes, one thread each (0: one per usable core)")
     demo_p.add_argument("--temperatures", type=float, nargs="+", default=list(DemoConfig.temperatures),
                         help="sampling temperatures of the sweep (the paper's GSM8K runs use 1.0)")
     demo_p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
+    demo_p.add_argument("--language-prompts", type=int, default=DemoConfig.language_prompts,
+                        help="held-out prompts per setting of the synthetic language's models (lang-*)")
+    demo_p.add_argument("--language-nfes", type=int, nargs="+", default=list(DemoConfig.language_nfes),
+                        help="NFE per block of 16 of the synthetic language's sweep")
     demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
                         help="the word-problem generator's level (default: the presets', 'easy')")
     demo_p.add_argument("--seeds", type=int, nargs="+", default=list(DemoConfig.seeds),
@@ -171,7 +175,7 @@ def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.checkpoint import CheckpointError
     from blockgen.harness.checkpoints.hub import HubUnavailableError
     from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped
-    from blockgen.harness.training.train import train
+    from blockgen.harness.training.train import NonFiniteLoss, train
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
         print(f"checkpoint: {train(config_from_args(args))}")
@@ -180,6 +184,8 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     except TrainingStopped as stopped:  # SIGTERM / SIGUSR1 / SIGINT: saved and said so (train), exit 128 + the signal's number
         return stopped.exit_code
+    except NonFiniteLoss:  # the step and the last checkpoint were said by train (rank 0) before any rank left
+        return 1
     except TrainingInterrupted as interrupted:
         print(f"blockgen train: {interrupted}", file=sys.stderr)
         return interrupted.exit_code
@@ -253,7 +259,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
                         jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
-                        seeds=tuple(args.seeds)))
+                        seeds=tuple(args.seeds), language_prompts=args.language_prompts, language_nfes=tuple(args.language_nfes)))
     return 0
 
 

@@ -35,16 +35,17 @@ from tqdm.auto import tqdm
 from blockgen.harness.evaluation.grids import DEMO_MAX_GEN_TOKS
 from blockgen.harness.evaluation.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
 from blockgen.harness.evaluation.grids import demo_samplers as samplers_for
-from blockgen.harness.evaluation.grids import sampler_label
-from blockgen.harness.training.presets import DEMO_PRESETS, WARM_STARTS, preset
+from blockgen.harness.evaluation.grids import LANGUAGE_NFES, language_samplers, sampler_label
+from blockgen.harness.training.presets import DEMO_PRESETS, LANGUAGE_PRESETS, WARM_STARTS, preset
 from blockgen.harness.training.train_config import TrainConfig
+from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
 from blockgen.models.sampler_config import SamplerConfig
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     out_dir: str = "runs/demo"
-    presets: tuple[str, ...] = DEMO_PRESETS
+    presets: tuple[str, ...] = DEMO_PRESETS + LANGUAGE_PRESETS
     max_steps: int | None = None  # override every preset's step count
     problems: int = 500  # held-out test problems per evaluation
     jobs: int = 0  # worker processes (one thread each); 0: one per usable core
@@ -52,6 +53,9 @@ class DemoConfig:
     # add 1.0, the paper's GSM8K temperature, for the full sweep (`make sweep`).
     temperatures: tuple[float, ...] = (0.1,)
     nfes: tuple[int, ...] = (4, 8, 16)
+    # The synthetic language's models (`lang-*` presets): held-out prompts per setting, and NFEs per block.
+    language_prompts: int = 128
+    language_nfes: tuple[int, ...] = LANGUAGE_NFES
     difficulty: str | None = None  # the generator's level; None: the presets' ("easy")
     batch_size: int = 32
     # Training seeds: one run of every model per seed (weights, batch order, noise; the same data).
@@ -64,8 +68,11 @@ class DemoConfig:
             raise ValueError(f"no sampler variants for NFE {unknown}; choose from {sorted(DIFFUSION_VARIANTS)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"seeds={self.seeds}: need distinct seeds >= 0")
-        if self.problems < 1 or self.jobs < 0:
-            raise ValueError(f"problems={self.problems}, jobs={self.jobs}: need problems >= 1 and jobs >= 0")
+        if not set(self.language_nfes) <= set(LANGUAGE_NFES):
+            raise ValueError(f"language_nfes={self.language_nfes}: choose from {list(LANGUAGE_NFES)}")
+        if self.problems < 1 or self.jobs < 0 or self.language_prompts < 1:
+            raise ValueError(f"problems={self.problems}, jobs={self.jobs}, language_prompts={self.language_prompts}: "
+                             "need problems >= 1, jobs >= 0 and language_prompts >= 1")
 
 
 def seed_dir(out_dir: str | Path, seed: int) -> Path:
@@ -73,11 +80,18 @@ def seed_dir(out_dir: str | Path, seed: int) -> Path:
     return Path(out_dir) if seed == 0 else Path(out_dir) / f"seed-{seed}"
 
 
+def is_language(train_config: TrainConfig) -> bool:
+    """A model of the synthetic language (scored by synthlang_gen), not of the word problems."""
+    from blockgen.harness.data.sources import LANGUAGE
+
+    return train_config.data.source == LANGUAGE
+
+
 def model_config(config: DemoConfig, name: str, seed: int = 0) -> TrainConfig:
     base = preset(name)
     # One data cache for every seed: the seeds vary the training run, not the problems.
     data = replace(base.data, cache_dir=str(Path(config.out_dir) / "data"))
-    if config.difficulty is not None:
+    if config.difficulty is not None and not is_language(base):
         data = replace(data, difficulty=config.difficulty)
     overrides = {"out_dir": str(seed_dir(config.out_dir, seed) / name), "data": data, "seed": seed}
     if config.max_steps is not None:
@@ -131,20 +145,58 @@ def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, diffi
                              batch_size=config.batch_size, difficulty=difficulty, results_path=out)
 
 
+LANGUAGE_TASK = "synthlang_gen"
+
+
+def _language_eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, language: str, out: str) -> dict:
+    from blockgen.harness.evaluation.wordproblem_eval import evaluate_task
+
+    results = evaluate_task(checkpoint, sampler, LANGUAGE_TASK, {"language": language, "prompts": config.language_prompts},
+                            batch_size=config.batch_size, results_path=out)
+    return {k.split(",")[0]: v for k, v in results["results"][LANGUAGE_TASK].items() if "," in k}
+
+
+def _validation_examples(train_config: TrainConfig, tokenizer):
+    """The likelihood pass's held-out examples: word problems (the question as a clean prompt, the
+    program scored), or the language's held-out documents as `BOS words`, every word scored and one
+    token (so an NLL per token is one per word, comparable with the exact NLL)."""
+    from blockgen.harness.checkpoints.tokenizer import special_tokens
+    from blockgen.harness.data.sources import Examples, encode_problems
+
+    data = train_config.data
+    special = special_tokens(tokenizer)
+    if not is_language(train_config):
+        from blockgen.harness.data.wordproblems import generate, to_records
+
+        problems = to_records(generate("validation", data.n_val, data.seed, data.difficulty))
+        return encode_problems(problems, tokenizer, special, train_config.seq_len)[0], None
+    import numpy as np
+    import torch
+
+    from blockgen.harness.data.language import DOC_SYMBOLS, TEST_SEED, load_language
+
+    language = load_language(data.language)
+    rows = language.sample(data.n_val, DOC_SYMBOLS, np.random.default_rng(TEST_SEED))
+    ids = [[special.bos, *tokenizer.encode(language.text(r), add_special_tokens=False)] for r in rows]
+    if any(len(i) != 1 + DOC_SYMBOLS for i in ids):
+        raise ValueError("the language's tokenizer splits a word into several tokens: NLL per token is not per word")
+    tokens = torch.tensor(ids)
+    n = len(ids)
+    true_nll = -sum(language.log_prob(r) for r in rows)
+    return Examples(tokens, torch.ones(n, dtype=torch.int32), torch.full((n,), tokens.shape[1], dtype=torch.int32)), \
+        {"nll_true": true_nll / (n * DOC_SYMBOLS), "entropy_rate": language.entropy_rate}
+
+
 def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
-    """Validation NLL per token under each trained block size alone and under the mixture's bounds."""
+    """Validation NLL per token under each trained block size alone and under the mixture's bounds; for the
+    language also the exact NLL of the same documents (`nll_true`) and the entropy rate."""
     import torch
 
     from blockgen.harness.checkpoints.checkpoint import load_checkpoint
-    from blockgen.harness.data.sources import encode_problems
-    from blockgen.harness.checkpoints.tokenizer import special_tokens
-    from blockgen.harness.data.wordproblems import generate, to_records
     from blockgen.models.objectives import jensen_bound, lse_bound
 
     model, tokenizer = load_checkpoint(checkpoint)
-    data = train_config.data
-    problems = to_records(generate("validation", data.n_val, data.seed, data.difficulty))
-    val, _ = encode_problems(problems, tokenizer, special_tokens(tokenizer), train_config.seq_len)
+    val, exact = _validation_examples(train_config, tokenizer)
     gen = torch.Generator().manual_seed(0)
     sizes = model.mixture.sizes
     per_size = torch.zeros(len(sizes), len(val), dtype=torch.float64)
@@ -158,7 +210,7 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
     out = {f"nll_block_{s}": float(per_size[j].sum()) / tokens for j, s in enumerate(sizes)}
     out["nll_lse"] = float(lse_bound(per_size, weights).sum()) / tokens
     out["nll_jensen"] = float(jensen_bound(per_size, weights).sum()) / tokens
-    out.update(tokens=int(tokens), sequences=len(val), k_mc=train_config.k_mc)
+    out.update(tokens=int(tokens), sequences=len(val), k_mc=train_config.k_mc, **(exact or {}))
     return out
 
 
@@ -249,15 +301,14 @@ def run_demo(config: DemoConfig) -> dict:
 
 def _run_seed(config: DemoConfig, seed: int) -> dict:
     from blockgen.harness.data.sources import get_tokenizer
-    from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
 
     out = seed_dir(config.out_dir, seed)
     out.mkdir(parents=True, exist_ok=True)
     models = {name: model_config(config, name, seed) for name in config.presets}
-    levels = {m.data.difficulty for m in models.values()}
-    if len(levels) != 1:
+    levels = {m.data.difficulty for m in models.values() if not is_language(m)}
+    if len(levels) > 1:
         raise ValueError(f"the demo's models train on different generator levels {sorted(levels)}; pass --difficulty")
-    (difficulty,) = levels
+    difficulty = next(iter(levels), DEFAULT_DIFFICULTY)
     for train_config in models.values():  # once, here: workers must not race to build the shared tokenizer
         get_tokenizer(train_config.data)
     jobs = config.jobs or usable_cores()
@@ -274,7 +325,8 @@ def _run_seed(config: DemoConfig, seed: int) -> dict:
             print(f"demo: {name} starts from the weights of {parent}", flush=True)
         elif parent is not None:
             print(f"demo: {name} trains from random weights ({parent}, its usual starting point, is not in this run)", flush=True)
-    first = [name for name in models if models[name].init_from is None]
+    # Models others start from first: they are on the critical path.
+    first = sorted((name for name in models if models[name].init_from is None), key=lambda name: not children[name])
     # Idle OpenMP threads sleep instead of spinning: a multi-threaded stage beside another busy program
     # then slows down about in proportion instead of several-fold (bench/bench_contention.py). Same
     # arithmetic, so the same numbers. The workers are spawned processes: they read it at start-up.
@@ -337,14 +389,19 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                 pending[pool.submit(_logged, out / "logs" / f"nll-{name}.log", _likelihood_job, checkpoint, models[name])] = (
                     "nll", name, sha)
                 bar.total += 1
-            for sampler in samplers_for(models[name].block_sizes, config.temperatures, config.nfes):
+            language = is_language(models[name])
+            samplers = (language_samplers(models[name].block_sizes, config.language_nfes) if language
+                        else samplers_for(models[name].block_sizes, config.temperatures, config.nfes))
+            for sampler in samplers:
                 label = sampler_label(sampler)
                 path = out / "results" / name / f"{label}.json"
                 results_files[name].append(path)
                 if _fresh(path, sha):
                     continue
                 log = out / "logs" / f"eval-{name}-{label}.log"
-                pending[pool.submit(_logged, log, _eval_job, checkpoint, sampler, config, difficulty, str(path))] = ("eval", name, label)
+                job = (_language_eval_job, checkpoint, sampler, config, models[name].data.language, str(path)) if language \
+                    else (_eval_job, checkpoint, sampler, config, difficulty, str(path))
+                pending[pool.submit(_logged, log, *job)] = ("eval", name, label)
                 bar.total += 1
             bar.update()
             bar.refresh()
@@ -368,6 +425,9 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                 if kind == "nll":
                     summary[name]["likelihood"] = result
                     _write_record(_likelihood_record(models[name]), _likelihood_key(models[name]), rest[0], result)
+                elif "invalid_pairs" in result:
+                    bar.write(f"{name:<16} {rest[0]:<30} broken pairs {_pct(result['invalid_pairs'])}, "
+                              f"true NLL/word {result['true_nll']:.3f}")
                 else:
                     bar.write(f"{name:<16} {rest[0]:<30} accuracy {_pct(result['accuracy'])} ± {_pct(result['accuracy_stderr'])}")
     bar.close()
@@ -390,25 +450,35 @@ def _leaderboard(config: DemoConfig, out: Path, models: dict[str, TrainConfig], 
         for path in paths:
             rows += [replace(r, note=note) for r in rows_from_results(json.loads(path.read_text()), str(path), model=name)]
         nll = summary[name].get("likelihood", {})
-        common = dict(model=name, task="wordproblems_validation_nll", higher_is_better=False, n=nll.get("sequences"),
+        common = dict(model=name, task=likelihood_task(train_config), higher_is_better=False, n=nll.get("sequences"),
                       prior=train_config.prior if train_config.block_sizes != (1,) else None,
                       block_sizes=list(train_config.block_sizes), block_weights=list(train_config.block_weights),
                       train_steps=train_config.max_steps, k_mc=nll.get("k_mc"), source=str(out / "summary.json"),
                       note=note)
-        rows += [Row(metric=metric, value=value, **common) for metric, value in nll.items() if metric.startswith("nll_")]
+        rows += [Row(metric=metric, value=value, **common) for metric, value in nll.items()
+                 if metric.startswith("nll_") or metric == "entropy_rate"]
     board = Leaderboard(rows=rows, description=(
-        f"make demo: tiny models trained on the embedded word problems (level {difficulty!r}, training seed "
-        f"{next(iter(models.values())).seed}) on CPU, "
-        f"gsm8k_code_embedded accuracy on {config.problems} held-out problems per sampler setting, "
-        "validation NLL per token per block size and under the mixture bounds"), provenance=_provenance())
+        f"make demo: tiny models trained on CPU (training seed {next(iter(models.values())).seed}) on the embedded word "
+        f"problems (level {difficulty!r}: gsm8k_code_embedded accuracy on {config.problems} held-out problems per sampler "
+        f"setting) and on the synthetic language (synthlang_gen on {config.language_prompts} held-out prompts per "
+        "setting, scored exactly); validation NLL per token per block size and under the mixture bounds (the "
+        "language's: per word, beside its exact NLL)"), provenance=_provenance())
     write(board, out / "leaderboard.json")
     return board
 
 
+def likelihood_task(train_config: TrainConfig) -> str:
+    """The leaderboard task name of a model's likelihood pass."""
+    return "synthlang_validation_nll" if is_language(train_config) else "wordproblems_validation_nll"
+
+
 def _finish(board, out: Path) -> None:
     from blockgen.harness.reports.page import build_page
+    from blockgen.harness.reports.plots import plot_language_quality
 
     print_table(board.rows)
+    if plot_language_quality(board.rows, out / "language.png"):
+        print(f"the language's exact sample quality against NFE: {out / 'language.png'}")
     page = build_page(board.rows, out / "page", sources=[str(out / "leaderboard.json")])
     print(f"plots and page: {page.parent}")
 
@@ -437,7 +507,35 @@ def print_table(rows) -> None:
         calls = f"{mean:.2f}/{r.max_calls_per_block}" if r.max_calls_per_block is not None else f"{mean:.2f}"
         print(f"{r.model:<16} {r.sampler:<20} {temp:>4} {nfe_text(r.nfe_per_block):>5} {settings:>12} "
               f"{_pct(r.value):>7} ± {_pct(r.stderr):>6} {calls:>10} {r.tokens_per_forward or 0:>7.2f} {r.tokens_per_s or 0:>7.0f}")
-    nll = [r for r in rows if r.task == "wordproblems_validation_nll"]
+    print_language_table(rows)
+    nll = [r for r in rows if r.task in ("wordproblems_validation_nll", "synthlang_validation_nll")]
     for model in dict.fromkeys(r.model for r in nll):
         parts = ", ".join(f"{r.metric.removeprefix('nll_')} {r.value:.4f}" for r in nll if r.model == model)
         print(f"{model:<16} validation NLL/token: {parts}")
+
+
+def print_language_table(rows) -> None:
+    """The language's settings: share of broken word pairs and of continuations with any (invalid), exact NLL
+    per word of the valid pairs (the process's entropy rate above the table), word-pair distance from the exact
+    marginals (the floor of the process's own samples above the table)."""
+    from blockgen.harness.reports.leaderboard import nfe_text
+
+    by_setting: dict[tuple, dict] = {}
+    for r in rows:
+        if r.task == LANGUAGE_TASK:
+            key = (r.model, r.sampler, r.nfe_per_block, json.dumps(r.options or {}), r.steps, r.ge, r.warmup)
+            by_setting.setdefault(key, {})[r.metric] = r.value
+    if not by_setting:
+        return
+    rate = next(iter(by_setting.values())).get("entropy_rate", math.nan)
+    floor = next(iter(by_setting.values())).get("bigram_tv_true", math.nan)
+    header = (f"{'model':<16} {'sampler':<20} {'NFE':>5} {'setting':>20} {'broken pairs':>12} {'invalid':>8} {'NLL/word':>9} "
+              f"{'pair TV':>8}")
+    print(f"\nsynthlang_gen (entropy rate {rate:.3f} nats/word; pair TV of the process's own samples {floor:.3f})")
+    print(header)
+    print("-" * len(header))
+    for (model, sampler, nfe, options, steps, ge, warmup), m in sorted(by_setting.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0, kv[0][1])):
+        own = ",".join(f"{k}={v:g}" for k, v in json.loads(options).items())
+        setting = "" if sampler.startswith("ar_") else own or f"{steps},{ge},{warmup}"
+        print(f"{model:<16} {sampler:<20} {nfe_text(nfe):>5} {setting:>20} {_pct(m.get('invalid_pairs')):>12} "
+              f"{_pct(m.get('invalid')):>8} {m.get('true_nll', math.nan):>9.3f} {m.get('bigram_tv', math.nan):>8.3f}")

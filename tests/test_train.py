@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
 from blockgen.harness.data.sources import DataConfig, get_tokenizer
 from blockgen.harness.data.prepare import load_examples
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 from blockgen.harness.training.presets import preset
-from blockgen.harness.training.train import train, warm_start
+from blockgen.harness.training.train import NonFiniteLoss, train, warm_start
 from blockgen.models.model import BlockGen
 from limits import HANG_S
 
@@ -55,6 +56,7 @@ def test_short_run_learns_far_below_unigram_entropy(workdir):
     val = records[-1]["val_nll_lse"]
     entropy = unigram_entropy(config)
     assert val < 0.6 * entropy, f"validation NLL {val:.3f} nats/token vs unigram entropy {entropy:.3f}"
+    assert not [r["step"] for r in records if "loss_spike" in r]  # a healthy curve: no spike warning
 
 
 def test_resume_continues_exactly(workdir):
@@ -99,6 +101,50 @@ def test_warm_start_copies_the_weights_across_priors(workdir):
                             warmup_steps=1, save_every=1, eval_every=1), progress=False)
     after = load_file(str(tuned / "model.safetensors"))
     torch.testing.assert_close(after["dit.blocks.0.attn.qkv.weight"], weights["dit.blocks.0.attn.qkv.weight"], rtol=0, atol=1e-6)
+
+
+def test_a_spike_is_flagged_and_a_non_finite_loss_stops_before_its_update(workdir, monkeypatch, capsys):
+    """The training loss of step 12 made 20x (a spike: flagged in its record and said), that of step 14 NaN:
+    the run stops at 14 before the optimizer applies it, with the record logged and the checkpoint of
+    step 10 clean; rerunning resumes from that checkpoint and drops the records after it."""
+    config = ci_config(workdir, "nan", max_steps=20, batch_size=16, micro_batch=16, save_every=5, eval_every=1000)
+    forward, calls, updates = BlockGen.forward, [], []
+
+    def poisoned(self, *args, **kwargs):  # one training forward per step (micro_batch = batch_size)
+        total, count = forward(self, *args, **kwargs)
+        if torch.is_grad_enabled():
+            calls.append(len(calls) + 1)
+            total = total * {12: 20.0, 14: math.nan}.get(calls[-1], 1.0)
+        return total, count
+
+    monkeypatch.setattr(BlockGen, "forward", poisoned)
+    hook = register_optimizer_step_pre_hook(lambda *_: updates.append(1))
+    try:
+        with pytest.raises(NonFiniteLoss, match=r"^step 14: loss is nan \(grad norm nan\); .* \(step 10\)") as stopped:
+            train(config, progress=False)
+    finally:
+        hook.remove()
+    assert (stopped.value.step, len(calls), len(updates)) == (14, 14, 13)  # step 14's update never ran
+    said = capsys.readouterr().err
+    assert f"blockgen train: {stopped.value}" in said
+    spike = [line for line in said.splitlines() if "(loss spike" in line]
+    assert len(spike) == 1 and spike[0].startswith("step 12: loss "), said[-2000:]
+    log = workdir / "nan" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert (records[-1]["loss"], records[-1]["grad_norm"]) == ("nan", "nan")
+    assert [r["step"] for r in records if r.get("loss_spike")] == [12]
+    assert records[11]["loss"] > 3 * records[11]["loss_avg"] > 0
+    ckpt = workdir / "nan" / "checkpoint"
+    assert json.loads((ckpt / "config.json").read_text())["training"]["step"] == 10
+    state = torch.load(ckpt / "training_state.pt", weights_only=False)
+    for weights in (load_file(str(ckpt / "model.safetensors")), state["model"]):
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    monkeypatch.undo()
+    train(replace(config, max_steps=14), progress=False)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert all(math.isfinite(r["loss"]) and "loss_spike" not in r for r in records)
 
 
 def test_checkpoint_errors_are_clear(workdir, tmp_path):
@@ -150,6 +196,25 @@ def test_cli_trains_and_torchrun_two_processes(workdir):
     assert math.isfinite(records[-1]["val_nll_lse"])
     model, _ = load_checkpoint(out / "checkpoint")
     assert model.config.block_sizes == (1, 4)
+
+
+def test_torchrun_stops_every_rank_on_a_non_finite_loss(workdir):
+    """A learning rate of 1e30 overflows at step 2: both ranks stop there (none left waiting in a
+    collective), rank 0 says why once, and the step's record holds the non-finite value as a string."""
+    out = workdir / "ddp-nan"
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29532", "-m", "blockgen.harness.cli",
+        "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--lr", "1e30", "--warmup-steps", "1",
+        "--save-every", "1", "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=workdir)
+    assert result.returncode != 0
+    assert result.stderr.count("NonFiniteLoss: step 2: loss is ") == 2, result.stderr[-3000:]  # raised on each rank
+    assert result.stderr.count("blockgen train: step 2: loss is ") == 1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and {records[1]["loss"], records[1]["grad_norm"]} & {"inf", "nan"}
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["training"]["step"] == 1
 
 
 def test_local_files_with_hub_schema(tmp_path):
@@ -233,8 +298,8 @@ def test_demo_command_end_to_end(tmp_path):
     from blockgen.harness.reports import leaderboard
 
     out = tmp_path / "demo"
-    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "--max-steps", "4",
-           "--problems", "8", "--nfes", "4", "--jobs", "2"]
+    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "lang-ar", "lang-masked-mix",
+           "--max-steps", "4", "--problems", "8", "--nfes", "4", "--language-prompts", "8", "--language-nfes", "1", "2", "--jobs", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -242,7 +307,9 @@ def test_demo_command_end_to_end(tmp_path):
     # The mixture starts from the AR model's weights; the AR model trains alone, on both workers' cores.
     models = summary["models"]
     assert models["ci"]["init_from"] == str(out / "ci-ar" / "checkpoint") and models["ci-ar"]["init_from"] is None
-    assert (models["ci-ar"]["threads"], models["ci"]["threads"]) == (2, 1)
+    # beside the language's models, which start from random weights, the AR parent goes first on one core
+    assert (models["ci-ar"]["threads"], models["ci"]["threads"]) == (1, 1)
+    assert models["lang-masked-mix"]["init_from"] is None
     assert "ci starts from the weights of ci-ar" in result.stdout
     rows = leaderboard.read(out / "leaderboard.json").rows
     assert {r.sampler for r in rows if r.model == "ci-ar" and r.metric == "exact_match"} == {"ar_greedy", "ar_sample"}
@@ -271,6 +338,19 @@ def test_demo_command_end_to_end(tmp_path):
     assert any(n.startswith("frontier_gsm8k_code_embedded") for n in plots)
     assert (out / "page" / "index.html").is_file()
     assert "accuracy" in result.stdout and "validation NLL/token" in result.stdout
+    # The synthetic language: every sampler at NFE 1 and 2 per block, scored exactly; its likelihood pass beside
+    # the exact NLL of the same documents.
+    language = [r for r in rows if r.task == "synthlang_gen" and r.metric == "invalid_pairs"]
+    assert {(r.sampler, r.nfe_per_block) for r in language if r.model == "lang-masked-mix" and r.nfe_per_block in (1, 2)} >= {
+        ("ancestral", 1), ("ancestral", 2), ("eipc", 1), ("eipc", 2), ("arpc", 2), ("low_confidence", 1), ("low_confidence", 2)}
+    assert {r.sampler for r in language if r.model == "lang-ar"} == {"ar_greedy", "ar_sample"}
+    assert all(r.n == 8 and 0 <= r.value <= 1 for r in language)
+    from blockgen.harness.data.language import load_language
+
+    exact = {r.metric: r.value for r in rows if r.task == "synthlang_validation_nll" and r.model == "lang-masked-mix"}
+    assert exact["entropy_rate"] == load_language("default").entropy_rate
+    assert exact["nll_true"] <= exact["nll_lse"] <= exact["nll_jensen"] + 1e-9
+    assert (out / "language.png").is_file() and "broken pairs" in result.stdout
     # Nothing lost, nothing redone: a rerun keeps the checkpoint and every results file.
     results = sorted((out / "results").rglob("*.json"))
     stamps = [p.stat().st_mtime_ns for p in results]
@@ -295,7 +375,8 @@ def test_demo_command_end_to_end(tmp_path):
     findings = json.loads((out / "findings.json").read_text())
     assert findings["runs"] == [str(out), str(out / "seed-1")]
     assert {f["finding"]["name"] for f in findings["findings"]} >= {"masked: ARPC - ancestral, NFE 4, T 0.1",
-                                                                    "masked: ARPC NFE 4 - AR greedy, T 0.1"}
+                                                                    "masked: ARPC NFE 4 - AR greedy, T 0.1",
+                                                                    "masked: ancestral NFE 1 - NFE 2"}
     assert all(len(f["runs"]) == 2 for f in findings["findings"])
     assert (out / "findings.png").is_file() and "findings across 2 runs" in seeds.stdout
 

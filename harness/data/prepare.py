@@ -38,10 +38,11 @@ import numpy as np
 import torch
 
 from blockgen.harness.data.sources import (
-    DOCUMENT_SOURCES, LOCAL_TOKENIZER, RENAMED, WORDPROBLEMS, DataConfig, Examples, cache_spelling, current_names,
+    DOCUMENT_SOURCES, LANGUAGE, LOCAL_TOKENIZER, RENAMED, WORDPROBLEMS, DataConfig, Examples, cache_spelling, current_names,
     document_batches, document_split, encode_problem_batch, frame_documents, get_tokenizer, load_rows, local_tokenizer_dir,
     tinygsm_held_out,
 )
+from blockgen.harness.data.language import language_identity
 from blockgen.harness.runtime.distributed import ranks_from_env
 from blockgen.harness.runtime.progress import Progress
 from blockgen.harness.checkpoints.tokenizer import special_tokens
@@ -74,11 +75,17 @@ def prepared_dir(config: DataConfig, seq_len: int, tokenizer=None) -> Path:
     """
     fields = {k: v for k, v in asdict(config).items() if k not in ("cache_dir", "n_val")}
     fields.update({k: cache_spelling(k, fields[k]) for k in RENAMED})
-    if config.source != WORDPROBLEMS:
+    # Each source's key holds only the fields it reads (caches prepared before a field existed keep their key).
+    if config.source == LANGUAGE:
+        fields.pop("difficulty")
+        fields["language"] = language_identity(config.language)
+    elif config.source != WORDPROBLEMS:
         for k in ("n_train", "difficulty", "seed"):
             fields.pop(k)
-    else:
+    if config.source == WORDPROBLEMS:
         fields["n_val"] = config.n_val
+    if config.source != LANGUAGE:
+        fields.pop("language")
     if config.source in ("owt", "tinygsm") and config.path is None:
         fields["hub_name"], fields["hub_revision"] = config.hub_dataset()
     key = json.dumps([FORMAT_VERSION, seq_len, fields, _tokenizer_identity(config, tokenizer)], sort_keys=True)

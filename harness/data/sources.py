@@ -8,6 +8,8 @@ Sources (`DataConfig.source`):
 - "owt": OpenWebText (`text`), read from the hub's parquet export (`hub_name`, `hub_revision`; a
   local folder laid out as that export works too) or local files (`path`); the last 100k documents
   of the train split are held out;
+- "language": documents of the synthetic language with exact probabilities (`harness/data/language.py`,
+  `language` names it): `n_train` training documents drawn with the data seed, a fixed held-out set;
 - "text": offline English text every Python has, the documentation topics of `pydoc_data.topics`
   (or local files, `path`), laid out as OWT; a document is held out when a stable hash of its text
   says so (one in ten), so the split does not depend on file order.
@@ -49,18 +51,21 @@ import torch
 
 from blockgen.harness.checkpoints.hub import HubUnavailableError, file_id, hub_call
 from blockgen.harness.checkpoints.tokenizer import SpecialTokens, load_tokenizer, special_tokens, train_bpe
+from blockgen.harness.data.language import TEST_SEED, documents, language_identity, load_language
 from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY, difficulty
 
 WORDPROBLEMS = "wordproblems"  # the generated word problems (harness/data/wordproblems/)
 LOCAL_TOKENIZER = "local"  # a BPE trained on the source's own training text
-SOURCES = (WORDPROBLEMS, "tinygsm", "owt", "text")
+LANGUAGE = "language"  # the synthetic language with exact probabilities (harness/data/language.py)
+SOURCES = (WORDPROBLEMS, "tinygsm", "owt", "text", LANGUAGE)
 # Values renamed when "embedded" stopped naming four things. Stored configs still spell them the old
 # way: a run's training_state.pt and train_config.json, a prepared cache's meta.json, a checkpoint's
 # config.json ("training"). New configs and the command line take the new names only.
 RENAMED = {"source": {"embedded": WORDPROBLEMS}, "tokenizer": {"embedded": LOCAL_TOKENIZER}}
-DOCUMENT_SOURCES = ("owt", "text")  # documents joined with EOS and cut into framed chunks
+DOCUMENT_SOURCES = ("owt", "text", LANGUAGE)  # documents joined with EOS and cut into framed chunks
 OWT_VALIDATION_DOCS = 100_000
 TEXT_HELD_OUT_ONE_IN = 10  # "text": a document is held out when its hash is 0 modulo this
+LANGUAGE_HELD_OUT_DOCS = 1_000  # "language": held-out documents (drawn with language.TEST_SEED)
 # TinyGSM's held-out split, as the authors' scripts: a random 1 % of the train split, seed 42, drawn as
 # `datasets.Dataset.train_test_split(test_size=0.01, seed=42)` draws it.
 TINYGSM_HELD_OUT_FRACTION = 0.01
@@ -79,14 +84,15 @@ OFFLINE_PATHS = (
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["wordproblems", "tinygsm", "owt", "text"] = WORDPROBLEMS
+    source: Literal["wordproblems", "tinygsm", "owt", "text", "language"] = WORDPROBLEMS
     tokenizer: str = LOCAL_TOKENIZER  # "local" (a BPE trained on the source), a local directory or a hub name
     path: str | None = None  # local files instead of the hub (JSON/JSONL/parquet with the hub schema; "text": also plain text)
     hub_name: str | None = None  # hub dataset (or a local folder laid out as its parquet export); None: HUB_DATASETS
     hub_revision: str | None = None  # branch, tag or commit of hub_name; None: HUB_DATASETS' (OWT: the parquet export)
     train_on_pad: bool = False  # word problems: loss on the padding too (the authors' TinyGSM runs)
-    n_train: int = 50_000  # wordproblems: number of generated training problems
+    n_train: int = 50_000  # wordproblems / language: number of generated training problems / documents
     difficulty: str = DEFAULT_DIFFICULTY  # wordproblems: the generator's level (wordproblems.DIFFICULTIES)
+    language: str = "default"  # language: a registered language (language.LANGUAGES) or a JSON file
     n_val: int = 256  # validation examples
     vocab_size: int = 1024  # tokenizer "local": the BPE's vocabulary
     seed: int = 0
@@ -262,6 +268,8 @@ def _local_tokenizer_texts(config: DataConfig) -> tuple[str, list[str]]:
         problems = generate("train", min(config.n_train, 20_000), seed=config.seed, level=config.difficulty)
         name = f"{cache_spelling('source', config.source)}-{config.difficulty}"
         return name, [p.question for p in problems] + [p.code for p in problems]
+    if config.source == LANGUAGE:
+        return f"language-{hashlib.sha256(language_identity(config.language).encode()).hexdigest()[:8]}", list(document_split(config)[0])
     if config.source not in DOCUMENT_SOURCES:
         raise ValueError(f"tokenizer={LOCAL_TOKENIZER!r} trains on the generated word problems or a document source "
                          f"{list(DOCUMENT_SOURCES)}; source {config.source!r} needs tokenizer=<directory or hub name>")
@@ -342,6 +350,8 @@ def source_identity(config: DataConfig) -> list:
         from pydoc_data.topics import topics
 
         return ["text", hashlib.sha256(json.dumps(topics, sort_keys=True).encode()).hexdigest()]
+    if config.source == LANGUAGE:
+        return [LANGUAGE, language_identity(config.language), config.n_train, config.seed]
     name, revision = config.hub_dataset()
     if Path(name).is_dir():
         return [config.source, [file_id(f) for f in sorted(Path(name).rglob("*")) if f.is_file()]]
@@ -423,6 +433,9 @@ def document_split(config: DataConfig) -> tuple[Sequence[str], Sequence[str]]:
             raise ValueError(f"source 'text' ({config.path or 'pydoc_data.topics'}): {len(texts)} documents give "
                              f"{len(train)} for training and {len(held_out)} held out; both need at least one")
         return train, held_out
+    if config.source == LANGUAGE:
+        language = load_language(config.language)
+        return documents(language, config.n_train, config.seed), documents(language, LANGUAGE_HELD_OUT_DOCS, TEST_SEED)
     raise ValueError(f"source {config.source!r} has no document split; document sources: {list(DOCUMENT_SOURCES)}")
 
 

@@ -125,6 +125,37 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
     return out + ([ar_greedy] if 1 in block_sizes else [])
 
 
+# The demo's second part, the synthetic language (tasks/synthlang.py): every sampler at NFE 1-16 per block of 16,
+# at temperature 1 (its scores compare the model's distribution with the process's). Below the paper's
+# NFE 4: ancestral and low-confidence take N steps; EIPC (1, 1, 0) and (2, 2, 0); ARPC (1, 1, 0), its
+# smallest (one draft step and the AR pass: NFE 2; it has none at NFE 1).
+LANGUAGE_NFES = (1, 2, 4, 8, 16)
+LANGUAGE_TEMPERATURE = 1.0
+_BELOW_PAPER = {("eipc", 1): (1, 1, 0), ("eipc", 2): (2, 2, 0), ("arpc", 2): (1, 1, 0)}
+
+
+def language_samplers(block_sizes: tuple[int, ...], nfes: tuple[int, ...] = LANGUAGE_NFES) -> list[SamplerConfig]:
+    """The language grid for a model: AR greedy and sampling where block size 1 is trained; on a diffusion
+    model ancestral, EIPC, ARPC (block size 1 trained) and low-confidence at each NFE, confidence-threshold
+    (0.9) and entropy-bounded (0.1)."""
+    t = LANGUAGE_TEMPERATURE
+    ar = [SamplerConfig("ar_greedy"), SamplerConfig("ar_sample", temperature=t)] if 1 in block_sizes else []
+    if tuple(block_sizes) == (1,):
+        return ar
+    out = []
+    for n in nfes:
+        out.append(SamplerConfig("ancestral", steps=n, temperature=t))
+        for name in ("eipc", "arpc") if 1 in block_sizes else ("eipc",):
+            if (name, n) in _BELOW_PAPER:
+                steps, ge, warmup = _BELOW_PAPER[name, n]
+                out.append(SamplerConfig(name, steps=steps, ge=ge, warmup=warmup, temperature=t))
+            elif n in GRID[name]:
+                out.append(replace(pick(name, n), temperature=t))
+        out.append(SamplerConfig("low_confidence", steps=n, temperature=t))
+    out += [replace(f, temperature=t) for f in _field((0.9,), (0.1,), ())]
+    return out + ar
+
+
 def sampler_label(s: SamplerConfig) -> str:
     """The demo's name of a setting: its results file (`<model>/<label>.json`) and its table row. What the sampler
     reads: steps (not for AR and adaptive samplers), GE and warm-up (informed ones), its own settings, T."""

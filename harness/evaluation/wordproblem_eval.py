@@ -32,6 +32,19 @@ def evaluate_embedded(
     `results_path`: also write lm-eval's results (what `lm_eval --output_path` holds) there as JSON, and
     the per-problem samples (what `--log_samples` keeps: program, outcome, exact_match per problem) beside
     it as JSON lines (`samples_path`), which `blockgen leaderboard compare` pairs."""
+    metadata = {"embedded_problems": n_problems}
+    if difficulty is not None:
+        metadata["difficulty"] = difficulty
+    out = evaluate_task(checkpoint, sampler, TASK, metadata, max_gen_toks, batch_size, device, limit, results_path)
+    return report(out)
+
+
+def evaluate_task(checkpoint: str | Path, sampler: SamplerConfig, task: str, metadata: dict, max_gen_toks: int | None = None,
+                  batch_size: int = 32, device: str = "cpu", limit: int | None = None,
+                  results_path: str | Path | None = None) -> dict:
+    """One lm-eval task on a checkpoint with one sampler (`sweep.run_task`): lm-eval's output. `metadata`: the
+    task's own settings. `results_path`: the results written there as JSON, the per-document samples beside
+    them (`samples_path`), both atomically, samples first (results imply samples)."""
     from blockgen.harness.evaluation.lm_eval_model.arguments import sampler_model_args
     from blockgen.harness.evaluation.sweep import run_task
 
@@ -40,25 +53,21 @@ def evaluate_embedded(
         model_args["max_gen_toks"] = max_gen_toks
     # lm-eval passes model args to tasks as metadata when it builds the TaskManager itself; ours
     # indexes only this project's tasks (lm-eval's own few thousand cost seconds), so pass them here.
-    metadata = {**model_args, "embedded_problems": n_problems}
-    if difficulty is not None:
-        metadata["difficulty"] = difficulty
-    out = run_task("blockgen", model_args, TASK, metadata, batch_size=batch_size, device=device, limit=limit,
-                   log_samples=results_path is not None)
+    out = run_task("blockgen", model_args, task, {**model_args, **metadata}, batch_size=batch_size, device=device,
+                   limit=limit, log_samples=results_path is not None)
     if results_path is not None:
         from lm_eval.utils import handle_non_serializable
 
         path = Path(results_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        samples = out.pop("samples", {}).get(TASK, [])
-        # atomic, samples first: a killed run leaves no half-written file, and results imply samples
+        samples = out.pop("samples", {}).get(task, [])
         tmp = samples_path(path).with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(s, default=handle_non_serializable) + "\n" for s in samples))
         tmp.replace(samples_path(path))
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, indent=2, default=handle_non_serializable))
         tmp.replace(path)
-    return report(out)
+    return out
 
 
 def samples_path(results_path: str | Path) -> Path:

@@ -19,6 +19,8 @@ their folder) or the demo's results files (its ``X.samples.jsonl`` beside ``X.js
   documents (Student's t, the difference's standard error by the delta method for a ratio of sums)
   and its two-sided p-value; deterministic. The chunks are identical in A and B, so the documents'
   own difficulty cancels.
+- A mean of a per-document score (e.g. ``invalid_pairs`` of ``synthlang_gen``): the difference of the
+  means with a paired t-interval over documents (`compare_means`).
 - Beside each: the unpaired 95 % interval, +-1.96 sqrt(se_A^2 + se_B^2), as if the runs were independent.
 """
 
@@ -224,6 +226,24 @@ def compare_accuracy(a: list[float], b: list[float], task: str = "", metric: str
     return Comparison(task, metric, names[0], names[1], n, pa, pb, pa - pb, low, high,
                       mcnemar_exact(counts["a_only"], counts["b_only"]),
                       "Newcombe hybrid score interval (paired); exact McNemar test", pa - pb - half, pa - pb + half, counts)
+
+
+def compare_means(a: list[float], b: list[float], task: str = "", metric: str = "", names: tuple[str, str] = ("A", "B")) -> Comparison:
+    """A's mean minus B's of a per-document score (e.g. synthlang_gen's ``invalid_pairs``) on the same
+    documents, with a paired t-interval over documents and its two-sided p-value; deterministic."""
+    from scipy.stats import t
+
+    m = len(a)
+    if m < 2:
+        raise CompareError(f"metric {metric!r}: a paired interval needs at least 2 documents, got {m}")
+    value_a, value_b = sum(a) / m, sum(b) / m
+    diff = value_a - value_b
+    se = mean_stderr([x - y for x, y in zip(a, b)])
+    half = float(t.ppf(0.975, m - 1)) * se
+    p = float(2 * t.sf(abs(diff) / se, m - 1)) if se > 0 else float(diff == 0)
+    unpaired = Z95 * math.hypot(mean_stderr(a), mean_stderr(b))
+    return Comparison(task, metric, names[0], names[1], m, value_a, value_b, diff, diff - half, diff + half, p,
+                      f"paired t-interval over documents, {m - 1} degrees of freedom", diff - unpaired, diff + unpaired)
 
 
 # ------------------------------------------------------------------------------ Gen PPL

@@ -23,19 +23,24 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from blockgen.harness.reports.compare import compare_accuracy, load_samples, mean_stderr, paired
-from blockgen.harness.evaluation.grids import demo_samplers, sampler_label
+from blockgen.harness.reports.compare import compare_accuracy, compare_means, load_samples, mean_stderr, paired
+from blockgen.harness.evaluation.grids import LANGUAGE_NFES, demo_samplers, language_samplers, sampler_label
 from blockgen.models.sampler_config import paper_nfe_per_block
 
 
-def roles(presets) -> dict[str, str]:
-    """The first masked mixture, uniform mixture and AR model among the presets: {"masked": name, ...}."""
+def roles(presets, source: str = "wordproblems") -> dict[str, str]:
+    """The first masked mixture, uniform mixture, AR model and single-block masked model among the presets that
+    train on `source`: {"masked": name, "uniform": ..., "ar": ..., "single": ...}."""
     from blockgen.harness.training.presets import preset
 
     out: dict[str, str] = {}
     for name in presets:
-        sizes, prior = preset(name).block_sizes, preset(name).prior
-        role = "ar" if tuple(sizes) == (1,) else prior if 1 in sizes and len(sizes) > 1 else None
+        config = preset(name)
+        if config.data.source != source:
+            continue
+        sizes, prior = tuple(config.block_sizes), config.prior
+        role = "ar" if sizes == (1,) else prior if 1 in sizes and len(sizes) > 1 else \
+            "single" if len(sizes) == 1 and prior == "masked" else None
         if role is not None:
             out.setdefault(role, name)
     return out
@@ -47,7 +52,8 @@ class Finding:
     name: str  # e.g. "uniform - masked, ancestral NFE 4, T 0.1"
     a: tuple[str, str]  # (model, setting label) of A
     b: tuple[str, str]
-    paper_sign: int  # +1: the paper finds A ahead, -1: B ahead, 0: no claim
+    paper_sign: int  # the sign of A - B the paper finds (+1, -1; 0: no claim)
+    metric: str = "exact_match"  # the per-document score compared: 0/1 (paired accuracy) or any number (paired means)
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ def demo_findings(presets, temperatures, nfes) -> list[Finding]:
     models are among the presets: a run without a uniform mixture has no masked-vs-uniform finding)."""
     from blockgen.harness.training.presets import preset
 
-    role = roles(presets)
+    role = {k: v for k, v in roles(presets).items() if k != "single"}
     labels = _labels({m: preset(m).block_sizes for m in role.values()}, temperatures, nfes)
     MASKED, UNIFORM = role.get("masked"), role.get("uniform")
     out = []
@@ -133,6 +139,45 @@ def demo_findings(presets, temperatures, nfes) -> list[Finding]:
     return out
 
 
+def language_findings(presets, nfes=LANGUAGE_NFES) -> list[Finding]:
+    """The synthetic language's findings, registered before they were run (docs/results.md, "A language with
+    known answers"): differences of `invalid_pairs` (the share of word pairs the true process never
+    produces; lower is better), so a paper claim that A is better reads as the sign -1. First the positive
+    control that chose the language's parameters."""
+    from blockgen.harness.training.presets import preset
+
+    role = roles(presets, "language")
+    labels = {}
+    for model in role.values():
+        for s in language_samplers(preset(model).block_sizes, tuple(nfes)):
+            nfe = None if s.is_ar else s.options if s.sampler.adaptive else paper_nfe_per_block(s)
+            labels[(model, s.name, nfe)] = sampler_label(s)
+    MASKED, UNIFORM, SINGLE = role.get("masked"), role.get("uniform"), role.get("single")
+    out = []
+
+    def add(claim: str, name: str, a: tuple, b: tuple, sign: int) -> None:
+        if a in labels and b in labels:
+            out.append(Finding(claim, name, (a[0], labels[a]), (b[0], labels[b]), sign, "invalid_pairs"))
+
+    lo, hi = min(nfes), max(nfes)
+    add("positive control: drawing a block's positions at once breaks more pairs", f"masked: ancestral NFE {lo} - NFE {hi}",
+        (MASKED, "ancestral", lo), (MASKED, "ancestral", hi), +1)
+    for n in nfes:
+        add("ARPC beats ancestral at matched NFE (largest gap on masked)", f"masked: ARPC - ancestral (same network), NFE {n}",
+            (MASKED, "arpc", n), (MASKED, "ancestral", n), -1)
+        add("ARPC beats ancestral at matched NFE (largest gap on masked)", f"uniform: ARPC - ancestral (same network), NFE {n}",
+            (UNIFORM, "arpc", n), (UNIFORM, "ancestral", n), -1)
+        add("ARPC (mixture) beats ancestral and EIPC (single block size) at matched NFE",
+            f"ARPC masked mix - ancestral single-16, NFE {n}", (MASKED, "arpc", n), (SINGLE, "ancestral", n), -1)
+        add("ARPC (mixture) beats ancestral and EIPC (single block size) at matched NFE",
+            f"ARPC masked mix - EIPC single-16, NFE {n}", (MASKED, "arpc", n), (SINGLE, "eipc", n), -1)
+        add("uniform beats masked under ancestral sampling, most at low NFE", f"uniform - masked mix, ancestral NFE {n}",
+            (UNIFORM, "ancestral", n), (MASKED, "ancestral", n), -1 if n <= 4 else 0)
+        add("mixture training vs a single block size (no sampling claim)", f"masked mix - single-16, ancestral NFE {n}",
+            (MASKED, "ancestral", n), (SINGLE, "ancestral", n), 0)
+    return out
+
+
 def pool(finding: Finding, run_dirs: list[Path]) -> Pooled:
     from scipy.stats import t as student_t
 
@@ -140,11 +185,11 @@ def pool(finding: Finding, run_dirs: list[Path]) -> Pooled:
     for run in run_dirs:
         paths = [run / "results" / model / f"{label}.json" for model, label in (finding.a, finding.b)]
         a, b = (load_samples(p) for p in paths)
-        _, va, vb, _ = paired(a, b, "exact_match")
-        c = compare_accuracy(va, vb, a.task, "exact_match")
+        _, va, vb, _ = paired(a, b, finding.metric)
+        c = (compare_accuracy if finding.metric == "exact_match" else compare_means)(va, vb, a.task, finding.metric)
         runs.append({"run": str(run), "accuracy_a": c.value_a, "accuracy_b": c.value_b, "difference": c.difference,
-                     "low": c.low, "high": c.high, "p_value": c.p_value, "a_only": c.counts["a_only"],
-                     "b_only": c.counts["b_only"], "stderr": mean_stderr([x - y for x, y in zip(va, vb)])})
+                     "low": c.low, "high": c.high, "p_value": c.p_value, **({k: c.counts[k] for k in ("a_only", "b_only")} if c.counts else {}),
+                     "stderr": mean_stderr([x - y for x, y in zip(va, vb)])})
     diffs = [r["difference"] for r in runs]
     r = len(diffs)
     mean = sum(diffs) / r
@@ -167,9 +212,28 @@ def bound_checks(run_dirs: list[Path]) -> list[dict]:
             if len(blocks) < 2:
                 continue
             lse, jensen = nll["nll_lse"], nll["nll_jensen"]
-            out.append({"run": str(run), "model": model, "nll_block_1": blocks[0][1], "nll_lse": lse,
-                        f"nll_block_{blocks[-1][0]}": blocks[-1][1], "nll_jensen": jensen,
-                        "between": blocks[0][1] <= lse <= blocks[-1][1], "below_jensen": lse <= jensen})
+            check = {"run": str(run), "model": model, "nll_block_1": blocks[0][1], "nll_lse": lse,
+                     f"nll_block_{blocks[-1][0]}": blocks[-1][1], "nll_jensen": jensen,
+                     "between": blocks[0][1] <= lse <= blocks[-1][1], "below_jensen": lse <= jensen}
+            if "nll_true" in nll:  # the language: the exact NLL of the same documents
+                check.update(nll_true=nll["nll_true"], above_true=nll["nll_true"] <= lse)
+            out.append(check)
+    return out
+
+
+def mixture_vs_single(run_dirs: list[Path], presets) -> list[dict]:
+    """The paper's likelihood claim (table 3): a mixture's log-sum-exp bound is below the single-block model's NLL
+    at the mixture's largest block size; per run, from the language's likelihood pass."""
+    role = roles(presets, "language")
+    if "masked" not in role or "single" not in role:
+        return []
+    out = []
+    for run in run_dirs:
+        models = json.loads((run / "summary.json").read_text())["models"]
+        mix, single = (models[role[k]].get("likelihood", {}) for k in ("masked", "single"))
+        size = next(k for k in single if k.startswith("nll_block_"))
+        out.append({"run": str(run), "mixture": role["masked"], "single": role["single"], "mixture_lse": mix["nll_lse"],
+                    f"single_{size}": single[size], "nll_true": single.get("nll_true"), "mixture_below": mix["nll_lse"] < single[size]})
     return out
 
 
@@ -202,7 +266,7 @@ def plot(pooled: list[Pooled], path: Path) -> None:
         ax.scatter([100 * x["difference"] for x in p.runs], [i] * len(p.runs), color="black", s=10, zorder=3)
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(pooled)), [p.finding.name for p in reversed(pooled)], fontsize=7)
-    ax.set_xlabel("A - B, accuracy points (dots: runs; bar: 95% interval over runs)")
+    ax.set_xlabel("A - B, points of accuracy (language: of broken word pairs) (dots: runs; bar: 95% interval over runs)")
     ax.set_title("Findings across training runs (green: as the paper, red: opposite, grey: unresolved)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -211,16 +275,23 @@ def plot(pooled: list[Pooled], path: Path) -> None:
 
 def write_findings(config, run_dirs: list[Path]) -> dict:
     out = Path(config.out_dir)
-    pooled = [pool(f, run_dirs) for f in demo_findings(config.presets, config.temperatures, config.nfes)]
+    findings = demo_findings(config.presets, config.temperatures, config.nfes) + \
+        language_findings(config.presets, getattr(config, "language_nfes", LANGUAGE_NFES))
+    pooled = [pool(f, run_dirs) for f in findings]
     bounds = bound_checks(run_dirs)
+    mixture = mixture_vs_single(run_dirs, config.presets)
     doc = {"runs": [str(r) for r in run_dirs], "seeds": list(config.seeds),
            "rule": "resolved: the t-interval over runs excludes 0 and every run's difference has the same sign",
-           "findings": [p.to_json() for p in pooled], "mixture_bound": bounds}
+           "findings": [p.to_json() for p in pooled], "mixture_bound": bounds, "mixture_vs_single": mixture}
     (out / "findings.json").write_text(json.dumps(doc, indent=2))
     print(format_table(pooled))
     for b in bounds:
         print(f"{b['model']:<16} {b['run']}: log-sum-exp bound {b['nll_lse']:.4f} "
-              f"{'between' if b['between'] else 'outside'} the block-1 and largest-block NLLs, {'below' if b['below_jensen'] else 'above'} Jensen")
+              f"{'between' if b['between'] else 'outside'} the block-1 and largest-block NLLs, {'below' if b['below_jensen'] else 'above'} Jensen"
+              + (f", {'above' if b['above_true'] else 'BELOW'} the exact NLL {b['nll_true']:.4f}" if "nll_true" in b else ""))
+    for m in mixture:
+        print(f"{m['mixture']} log-sum-exp {m['mixture_lse']:.4f} {'below' if m['mixture_below'] else 'above'} "
+              f"{m['single']}'s NLL at its block size ({m['run']})")
     if pooled:
         plot(pooled, out / "findings.png")
     print(f"findings across {len(run_dirs)} runs: {out / 'findings.json'}" + (f", {out / 'findings.png'}" if pooled else ""))

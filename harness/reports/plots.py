@@ -257,3 +257,45 @@ def _save(plt, fig, path: Path) -> Path:
 def plot_all(rows: list[Row], out_dir: str | Path) -> list[Path]:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     return accuracy_vs_nfe(rows, out_dir) + genppl_vs_entropy(rows, out_dir) + speed_quality_frontier(rows, out_dir)
+
+
+LANGUAGE_QUALITY = (("invalid_pairs", "broken word pairs (share)"), ("true_nll", "exact NLL per word of the valid pairs"),
+                    ("bigram_tv", "word-pair TV from the exact marginals"))
+
+
+def plot_language_quality(rows: Iterable[Row], path: str | Path) -> Path | None:
+    """The synthetic language (synthlang_gen): exact sample quality against NFE per block, one line per
+    (model, sampler), one panel per score; the process's entropy rate and the pair TV of its own samples
+    as dashed lines. Adaptive samplers (no NFE until they run) are drawn at their measured mean calls per
+    block; AR decoding at NFE 1 of a block-1 step (one call per token) is left out. None: no such rows."""
+    rows = [r for r in rows if r.task == "synthlang_gen" and r.nfe_per_block is not None and not is_ar(r.sampler or "")]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(LANGUAGE_QUALITY), figsize=(5 * len(LANGUAGE_QUALITY), 4.2))
+    models = sorted({r.model for r in rows})
+    styles = dict(zip(models, ("-", "--", ":", "-.")))
+    refs = {r.metric: r.value for r in rows if r.metric in ("entropy_rate", "bigram_tv_true")}
+    for ax, (metric, title) in zip(axes, LANGUAGE_QUALITY):
+        lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for r in rows:
+            if r.metric == metric and r.value == r.value:  # NaN: no valid continuation to score
+                lines.setdefault((r.model, r.sampler), []).append((r.nfe_per_block, r.value))
+        for (model, sampler), points in sorted(lines.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, styles.get(model, "-"), marker="o", ms=3, color=color(sampler), label=f"{model} {sampler}")
+        reference = {"true_nll": refs.get("entropy_rate"), "bigram_tv": refs.get("bigram_tv_true")}.get(metric)
+        if reference is not None:
+            ax.axhline(reference, color="black", lw=0.8, ls="--", label="the process itself")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("NFE per block of 16")
+        ax.set_title(title, fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    more = axes[1].get_legend_handles_labels()
+    by_label = dict(zip(labels + more[1], handles + more[0]))
+    fig.legend(by_label.values(), by_label.keys(), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle("Synthetic language: exact sample quality against NFE (line style: model, colour: sampler)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * (len(by_label) // 4 + 1), 1, 0.95))  # room for the legend below
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -44,6 +44,18 @@ PRESETS: dict[str, TrainConfig] = {
     ),
 }
 PRESETS["ci-ar"] = replace(PRESETS["ci"], **_mixture((1,), (1.0,)))
+# The synthetic language with exact probabilities (harness/data/language.py; `make demo`'s second part):
+# a document is one example of seq_len = 64 (BOS, 61 one-token words, its EOS and the frame's), four blocks of 16.
+# Every model starts from random weights.
+_LANGUAGE = dict(size="micro", seq_len=64, batch_size=32, lr=3e-3, lr_schedule="cosine", warmup_steps=20, max_steps=1000,
+                 eval_every=10**9, save_every=200, data=DataConfig(source="language", n_train=20_000, n_val=128))
+PRESETS |= {
+    "lang-ar": TrainConfig(**_mixture((1,), (1.0,)), **_LANGUAGE),
+    "lang-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), **_LANGUAGE),
+    "lang-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), **_LANGUAGE),
+    "lang-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), **_LANGUAGE),
+}
+LANGUAGE_PRESETS = ("lang-ar", "lang-masked-mix", "lang-uniform-mix", "lang-masked")
 DEMO_PRESETS = ("gsm-ar", "gsm-masked-mix", "gsm-uniform-mix")
 # Where a preset starts when `blockgen demo` trains both (`init_from`): the mixtures start from the AR
 # model. From random weights they had not learned to copy numbers from the question after 1,000-1,800

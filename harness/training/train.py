@@ -9,6 +9,8 @@ periodic validation with the log-sum-exp bound, and crash-safe checkpoints a res
 from (two slots, `checkpoint` and `checkpoint.prev`: harness/checkpoints/checkpoint.py; resuming, the copies
 kept at `keep_steps` and the check that every rank sees one run directory: `run_directory`). SIGTERM,
 SIGUSR1 or SIGINT stops the run at the next step boundary on every rank with a checkpoint (`stop_signals`).
+Health: a NaN or infinite loss or gradient norm stops every rank before the step's update (`NonFiniteLoss`),
+a loss far above its running average is flagged and reported (`LossSpikeMonitor`).
 The settings are `train_config.TrainConfig`; a step's FLOPs and memory estimate, `flops_memory`.
 """
 
@@ -23,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ from blockgen.harness.data.prepare import ensure_prepared, load_prepared
 from blockgen.harness.runtime.progress import Progress
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 from blockgen.harness.training.flops_memory import memory_estimate, names_the_knob, peak_flops, training_flops_per_step
-from blockgen.harness.training.run_directory import check_same_run_directory, keep_dir, resume_training_state
+from blockgen.harness.training.run_directory import check_same_run_directory, checkpoint_step, keep_dir, resume_training_state
 from blockgen.harness.training.stop_signals import TrainingStopped, agreed_stop, stop_requests
 from blockgen.harness.training.train_config import TrainConfig
 from blockgen.models.model import BlockGen
@@ -77,9 +80,67 @@ class MetricsLog:
             if isinstance(value, (int, float)) and key != "step":
                 self.board.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
 
+    def losses(self) -> list[float]:
+        """The losses of the records kept (rank 0; none elsewhere): a resumed run's running average starts from them."""
+        if self.board is None or not self.path.is_file():
+            return []
+        with open(self.path) as f:
+            return [json.loads(line)["loss"] for line in f if line.strip()]
+
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# health: a non-finite loss stops the run, a loss spike is reported
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite: every rank stopped before applying its update,
+    so the checkpoints on disk hold only weights from before it."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, checkpoint: Path, saved_step: int) -> None:
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+        where = f"the last checkpoint is {checkpoint} (step {saved_step})" if saved_step else "no checkpoint was written yet"
+        # A resumed run may not change the settings, and it draws the same batches and noise: a new run must.
+        super().__init__(f"step {step}: loss is {loss:g} (grad norm {grad_norm:g}); stopped before applying the step; "
+                         f"{where}. Resuming would replay the same steps: train in a new --out-dir with a lower --lr or "
+                         "a longer --warmup-steps (--init-from the checkpoint keeps its weights)")
+
+
+def json_number(x: float) -> float | str:
+    """`x`, or "nan" / "inf" / "-inf" where JSON has no number for it (`float()` reads either back)."""
+    return x if math.isfinite(x) else str(x)
+
+
+class LossSpikeMonitor:
+    """Flags a step's loss far above the running average of the losses before it.
+
+    The average is an exponential moving average with a time constant of `horizon` steps, normalised by
+    its weights (so it is the plain mean at first, not biased towards zero). A loss is a spike when it
+    is more than `ratio` times the average AND more than `margin` nats above it: the ratio alone would
+    fire on a loss near 1e-4 jiggling to 3e-4, and the healthy demo curves jump by up to 0.3 nats per
+    token at tiny losses (a hard batch for a model that has memorised the rest). The first `warmup`
+    steps never count (the average has seen too few steps); they still enter the average.
+    """
+
+    def __init__(self, horizon: int = 50, ratio: float = 3.0, margin: float = 0.5, warmup: int = 10) -> None:
+        self.decay, self.ratio, self.margin, self.warmup = 1 - 1 / horizon, ratio, margin, warmup
+        self.total = self.weight = 0.0
+        self.seen = 0
+
+    @property
+    def average(self) -> float | None:
+        """The running average of the losses so far (None before the first)."""
+        return self.total / self.weight if self.seen else None
+
+    def update(self, loss: float) -> bool:
+        """Whether `loss` is a spike against the average so far; then adds it to the average."""
+        avg = self.average
+        spike = avg is not None and self.seen >= self.warmup and loss > self.ratio * avg and loss - avg > self.margin
+        self.total, self.weight, self.seen = self.decay * self.total + loss, self.decay * self.weight + 1, self.seen + 1
+        return spike
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +327,9 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         out.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before this leaves no empty folder
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
     metrics = MetricsLog(out, step, enabled=d.is_main)
+    spikes = LossSpikeMonitor()
+    for logged in metrics.losses():  # a resumed run (rank 0, which reports) picks its average up where it was
+        spikes.update(logged)
     bar = Progress(out.name, total=config.max_steps, unit="steps", initial=step, enabled=progress and d.is_main,
                    every_steps=config.log_every, every_s=None)
     tokens_per_step = config.batch_size * config.seq_len  # the L tokens of each sequence, as bench/ counts them
@@ -291,6 +355,17 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
         save_checkpoint(ckpt_dir, ema_model(), tokenizer, state, extra={"step": step, "final": final, "data": data_info},
                         keep_previous=True, keep_copy=keep)
 
+    def stop(err: Exception) -> NoReturn:
+        """End the run on every rank with `err`, said by rank 0 before any rank leaves: torchrun stops the
+        others when the first one exits."""
+        bar.close()
+        metrics.close()
+        if d.is_main:
+            print(f"blockgen train: {err}", file=sys.stderr, flush=True)
+        if d.world_size > 1:
+            dist.barrier()  # no rank leaves before rank 0 has saved, logged and said why
+        raise err
+
     model.train()
     with stop_requests() as signalled:
         while step < config.max_steps:
@@ -301,6 +376,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             step_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
             u_block, u_time = torch.rand(2, generator=step_gen).tolist()
             block_idx = stratified_indices(model_config.block_weights, slots, u_block)
+            block_sizes = [model_config.block_sizes[i] for i in block_idx]
             times = stratified_times(config.batch_size, u_time, model.schedule)
             batch_idx = _slot_batches(len(train_data), step, config.batch_size, config.seed)
             loss_sum = torch.zeros((), device=d.device)
@@ -319,21 +395,33 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
                     loss = total / count.clamp_min(1)
                     (loss / grad_accum).backward()
                 loss_sum += loss.detach() / grad_accum
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            # Both are the same on every rank (the loss all-reduced here, the gradients by DDP), so every
+            # rank takes the same decision below and none waits in a collective for one that left.
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+            loss_val = all_reduce_sum(loss_sum, d).item() / d.world_size  # .item() waits for the device
+            if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):  # before the update: the weights stay clean
+                metrics.write({"step": step + 1, "loss": json_number(loss_val), "lr": lr, "grad_norm": json_number(grad_norm),
+                               "block_sizes": block_sizes})
+                stop(NonFiniteLoss(step + 1, loss_val, grad_norm, ckpt_dir, checkpoint_step(ckpt_dir)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             ema.update(model, step)
             step += 1
-            loss_val = all_reduce_sum(loss_sum, d).item() / d.world_size  # .item() waits for the device
             seconds = time.perf_counter() - step_start
             if step > first_step:  # a process's first step includes start-up (and compilation)
                 train_seconds, steps_timed = train_seconds + seconds, steps_timed + 1
             record = {
-                "step": step, "loss": loss_val, "lr": lr, "grad_norm": float(grad_norm),
-                "block_sizes": [model_config.block_sizes[i] for i in block_idx],
+                "step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "block_sizes": block_sizes,
                 "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
                 "mfu": None if peak is None else flops_per_step / seconds / (peak * d.world_size),
             }
+            loss_avg = spikes.average
+            if spikes.update(loss_val):
+                record.update(loss_spike=True, loss_avg=loss_avg)
+                if d.is_main:  # said also where the progress bar is off
+                    spike = (f"step {step}: loss {loss_val:.4g} is {loss_val / loss_avg:.1f}x its running average "
+                             f"{loss_avg:.4g} (loss spike; grad norm {grad_norm:.3g})")
+                    bar.write(spike) if bar.enabled else print(spike, file=sys.stderr, flush=True)
             bar.update(1)
             if steps_timed:  # running means over the timed steps
                 rate = tokens_per_step * steps_timed / train_seconds
@@ -352,14 +440,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
             if signum and step < config.max_steps:
                 if not saved:
                     checkpoint(final=False)
-                bar.close()
-                metrics.close()
-                stopped = TrainingStopped(signum, step, ckpt_dir)
-                if d.is_main:  # said before any rank exits: torchrun stops the others when the first one does
-                    print(f"blockgen train: {stopped}", file=sys.stderr, flush=True)
-                if d.world_size > 1:
-                    dist.barrier()  # no rank leaves before rank 0 has saved
-                raise stopped
+                stop(TrainingStopped(signum, step, ckpt_dir))
     bar.close()
     metrics.close()
     if d.world_size > 1:
