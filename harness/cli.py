@@ -34,7 +34,7 @@ import typing
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Literal, get_args, get_origin
 
-from blockgen.harness.reports import leaderboard, leaderboard_command, regression
+from blockgen.harness.reports import curves, leaderboard, leaderboard_command, regression
 from blockgen.harness.checkpoints import release_catalogue
 from blockgen.harness.evaluation import sample, paper_variants, sweep, vllm_server
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
                                       "owt_genppl's scorer server: `blockgen scorers check-vllm` says which vLLM build "
                                       "the server would use and whether it can serve the device asked for."))
+    curves.build_parser(_mounted(sub, "curves", "training curves of runs side by side (loss, gradient norm, flagged spikes) -> PNG",
+                                 curves.__doc__))
     paper_variants.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
                                        paper_variants.__doc__))
     return parser
@@ -269,7 +271,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
     "leaderboard": leaderboard_command.run, "regression": regression.run, "scorers": vllm_server.run,
-    "variants": paper_variants.run,
+    "variants": paper_variants.run, "curves": curves.main,
 }
 
 

@@ -313,8 +313,8 @@ def _run_seed(config: DemoConfig, seed: int) -> dict:
         get_tokenizer(train_config.data)
     jobs = config.jobs or usable_cores()
     print(f"demo: {len(models)} models on {jobs} worker process(es), one thread each (a training run that nothing else can run beside gets all {jobs}); "
-          f"generator level {difficulty!r}{'' if difficulty == DEFAULT_DIFFICULTY else ' (not the default)'}; "
-          f"logs under {out / 'logs'}", flush=True)
+          + (f"generator level {difficulty!r}{'' if difficulty == DEFAULT_DIFFICULTY else ' (not the default)'}; " if levels else "")
+          + f"logs under {out / 'logs'}", flush=True)
     # A model whose warm-start parent is in the demo trains after it, from its weights.
     children: dict[str, list[str]] = {name: [] for name in models}
     for name in models:

@@ -1,0 +1,54 @@
+"""Training curves side by side: `blockgen curves RUN [RUN ...] --out curves.png`.
+
+Each run is a training folder with its `metrics.jsonl` (`blockgen train`'s record of every step): the loss
+(log scale, so a plateau and the drop after it show at any size), the gradient norm before clipping, and the
+steps the run flagged as loss spikes (`loss_spike`, harness/training/train.py). Runs of one recipe with other
+seeds, drawn together, show where one run leaves the others.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no metrics.jsonl (a `blockgen train` output folder has one)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(runs: dict[str, str | Path], out: str | Path) -> Path:
+    """One figure: loss and gradient norm against step, one line per run (label -> folder or metrics.jsonl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, grad_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, run in runs.items():
+        records = [r for r in read_metrics(run) if isinstance(r.get("loss"), (int, float))]
+        steps = [r["step"] for r in records]
+        line, = loss_ax.plot(steps, [r["loss"] for r in records], lw=0.8, label=label)
+        grad_ax.plot(steps, [r["grad_norm"] for r in records], lw=0.8, color=line.get_color(), label=label)
+        spikes = [r for r in records if r.get("loss_spike")]
+        loss_ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color=line.get_color(), marker="x", zorder=3)
+    loss_ax.set(yscale="log", xlabel="step", ylabel="training loss (nats per token)", title="loss (x: flagged spikes)")
+    grad_ax.set(yscale="log", xlabel="step", ylabel="gradient norm before clipping", title="gradient norm")
+    loss_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
+
+
+def build_parser(parser) -> None:
+    parser.add_argument("runs", nargs="+", help="training folders (or metrics.jsonl files); LABEL=PATH names a line")
+    parser.add_argument("--out", default="curves.png", help="the PNG to write (default: %(default)s)")
+
+
+def main(args) -> int:
+    runs = dict(r.split("=", 1) if "=" in r else (Path(r).name, r) for r in args.runs)
+    print(plot_curves(runs, args.out))
+    return 0

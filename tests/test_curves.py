@@ -1,0 +1,44 @@
+"""`blockgen curves`: training runs' loss and gradient norm side by side, as a PNG (harness/reports/curves.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockgen.harness.reports.curves import plot_curves, read_metrics
+
+sys.path.insert(0, str(Path(__file__).parent))
+from limits import HANG_S  # noqa: E402
+
+
+def _run(folder: Path, losses: list, spike_at: int | None = None) -> Path:
+    folder.mkdir(parents=True)
+    lines = [{"step": i + 1, "loss": loss, "grad_norm": 1.0 / (i + 1), **({"loss_spike": True} if i + 1 == spike_at else {})}
+             for i, loss in enumerate(losses)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def test_curves_of_two_runs_as_a_png_through_the_command(tmp_path):
+    a = _run(tmp_path / "seed-0", [6.0 * 0.97 ** i for i in range(200)], spike_at=120)
+    b = _run(tmp_path / "seed-2", [6.0 * 0.99 ** i for i in range(150)] + ["nan"])  # a stopped run's last record
+    out = tmp_path / "curves.png"
+    r = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "curves", f"s0={a}", str(b), "--out", str(out)],
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size[0] > image.size[1] > 300
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert len(colours) > 50  # lines drawn, not an empty canvas
+    assert len(read_metrics(b)) == 151
+
+
+def test_a_folder_without_metrics_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        plot_curves({"x": tmp_path}, tmp_path / "c.png")
