@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from blockgen.harness.evaluation.grids import DEMO_MAX_GEN_TOKS
 from blockgen.harness.evaluation.grids import DEMO_VARIANTS as DIFFUSION_VARIANTS
 from blockgen.harness.evaluation.grids import demo_samplers as samplers_for
-from blockgen.harness.evaluation.grids import LANGUAGE_NFES, language_samplers, sampler_label
+from blockgen.harness.evaluation.grids import LANGUAGE_NFES, LANGUAGE_TASK, language_samplers, sampler_label
 from blockgen.harness.training.presets import DEMO_PRESETS, LANGUAGE_PRESETS, WARM_STARTS, preset
 from blockgen.harness.training.train_config import TrainConfig
 from blockgen.harness.data.wordproblems import DEFAULT_DIFFICULTY
@@ -143,9 +143,6 @@ def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, diffi
 
     return evaluate_embedded(checkpoint, sampler, config.problems, max_gen_toks=DEMO_MAX_GEN_TOKS,
                              batch_size=config.batch_size, difficulty=difficulty, results_path=out)
-
-
-LANGUAGE_TASK = "synthlang_gen"
 
 
 def _language_eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, language: str, out: str) -> dict:
@@ -531,7 +528,7 @@ def print_language_table(rows) -> None:
     floor = next(iter(by_setting.values())).get("bigram_tv_true", math.nan)
     header = (f"{'model':<16} {'sampler':<20} {'NFE':>5} {'setting':>20} {'broken pairs':>12} {'invalid':>8} {'NLL/word':>9} "
               f"{'pair TV':>8}")
-    print(f"\nsynthlang_gen (entropy rate {rate:.3f} nats/word; pair TV of the process's own samples {floor:.3f})")
+    print(f"\n{LANGUAGE_TASK} (entropy rate {rate:.3f} nats/word; pair TV of the process's own samples {floor:.3f})")
     print(header)
     print("-" * len(header))
     for (model, sampler, nfe, options, steps, ge, warmup), m in sorted(by_setting.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0, kv[0][1])):

@@ -87,9 +87,9 @@ def test_sizes_keep_their_parameter_counts(size, architecture):
 
 
 def test_presets_pick_their_sizes():
-    """CI and the offline ("-embedded") presets are micro, the demo's tiny, the paper's benchmarks paper size."""
+    """CI, the synthetic language's and the offline ("-embedded") presets are micro, the demo's tiny, the paper's benchmarks paper size."""
     def size(name: str) -> str:
-        return "micro" if name.startswith("ci") or "-embedded-" in name else "tiny" if name.startswith("gsm-") else "paper"
+        return "micro" if name.startswith(("ci", "lang-")) or "-embedded-" in name else "tiny" if name.startswith("gsm-") else "paper"
 
     assert {name: p.size for name, p in PRESETS.items()} == {name: size(name) for name in PRESETS}
 

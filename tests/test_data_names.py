@@ -37,7 +37,7 @@ def test_the_old_spelling_is_refused_where_configs_are_made():
         DataConfig(source="embedded")
     with pytest.raises(ValueError, match="tokenizer='embedded' is now spelled 'local'; choose 'local', a local directory or a hub name"):
         DataConfig(tokenizer="embedded")
-    with pytest.raises(ValueError, match=r"unknown data source 'wikipedia'; choose one of \['wordproblems', 'tinygsm', 'owt', 'text'\]"):
+    with pytest.raises(ValueError, match=r"unknown data source 'wikipedia'; choose one of \['wordproblems', 'tinygsm', 'owt', 'text', 'language'\]"):
         DataConfig(source="wikipedia")
 
 

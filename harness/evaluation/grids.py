@@ -129,6 +129,7 @@ def demo_samplers(block_sizes: tuple[int, ...], temperatures: tuple[float, ...],
 # at temperature 1 (its scores compare the model's distribution with the process's). Below the paper's
 # NFE 4: ancestral and low-confidence take N steps; EIPC (1, 1, 0) and (2, 2, 0); ARPC (1, 1, 0), its
 # smallest (one draft step and the AR pass: NFE 2; it has none at NFE 1).
+LANGUAGE_TASK = "synthlang_gen"
 LANGUAGE_NFES = (1, 2, 4, 8, 16)
 LANGUAGE_TEMPERATURE = 1.0
 _BELOW_PAPER = {("eipc", 1): (1, 1, 0), ("eipc", 2): (2, 2, 0), ("arpc", 2): (1, 1, 0)}

@@ -2,7 +2,7 @@
 
 Each run is a training folder with its `metrics.jsonl` (`blockgen train`'s record of every step): the loss
 (log scale, so a plateau and the drop after it show at any size), the gradient norm before clipping, and the
-steps the run flagged as loss spikes (`loss_spike`, harness/training/train.py). Runs of one recipe with other
+steps the run flagged as loss spikes (`loss_spike` in its records). Runs of one recipe with other
 seeds, drawn together, show where one run leaves the others.
 """
 
