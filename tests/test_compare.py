@@ -19,6 +19,7 @@ from blockgen.harness.reports.compare import (
     compare,
     compare_accuracy,
     compare_gen_ppl,
+    compare_means,
     compare_nll,
     format_comparison,
     mcnemar_exact,
@@ -230,3 +231,20 @@ def test_compare_command_on_owt_ppl_logs(tmp_path):
     assert c["metric"] == "nll_jensen" and c["value_a"] == pytest.approx(3.35) and c["difference"] == pytest.approx(-0.175)
     jensen = compare_nll(*([(ll - 1, n) for ll, n in v] for v in (NLL_A, NLL_B)), "owt_ppl", "nll_jensen", (c["a"], c["b"]))
     assert c == {**jensen.to_json(), "paired_on": "doc_hash"}  # these docs carry no identifying field
+
+
+def test_paired_means_equal_scipys_paired_t_test():
+    """`compare_means` (per-document scores, e.g. synthlang_gen's invalid_pairs): the paired t-test of scipy."""
+    from scipy.stats import t, ttest_rel
+
+    rng = np.random.default_rng(4)
+    a = rng.uniform(0, 1, 60).round(3).tolist()
+    b = (np.array(a) + rng.normal(0.05, 0.1, 60)).clip(0, 1).tolist()
+    c = compare_means(a, b, "synthlang_gen", "invalid_pairs")
+    ref = ttest_rel(a, b)
+    assert math.isclose(c.difference, float(np.mean(a) - np.mean(b)), abs_tol=1e-12)
+    assert math.isclose(c.p_value, float(ref.pvalue), rel_tol=1e-9)
+    half = float(t.ppf(0.975, 59)) * float(np.std(np.array(a) - np.array(b), ddof=1)) / math.sqrt(60)
+    assert math.isclose(c.high - c.low, 2 * half, rel_tol=1e-9) and c.n == 60 and c.counts is None
+    with pytest.raises(CompareError, match="at least 2 documents"):
+        compare_means([0.1], [0.2])

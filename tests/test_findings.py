@@ -16,9 +16,11 @@ import pytest
 from scipy.stats import t as student_t
 
 from blockgen.harness.reports.compare import mean_stderr
-from blockgen.harness.reports.findings import Finding, demo_findings, format_table, plot, pool, roles, write_findings
-from blockgen.harness.evaluation.grids import demo_samplers, sampler_label
-from blockgen.harness.training.presets import DEMO_PRESETS, preset
+from blockgen.harness.reports.findings import (
+    Finding, demo_findings, format_table, language_findings, plot, pool, roles, write_findings,
+)
+from blockgen.harness.evaluation.grids import demo_samplers, language_samplers, sampler_label
+from blockgen.harness.training.presets import DEMO_PRESETS, LANGUAGE_PRESETS, preset
 
 TASK = "gsm8k_code_embedded"
 FINDING = Finding("claim", "A - B", ("model-a", "setting-a"), ("model-b", "setting-b"), +1)
@@ -111,6 +113,22 @@ def test_the_papers_claims_map_onto_the_demo_grid():
     assert by_name["uniform: ARPC NFE 4 - AR greedy, T 0.1"].b == ("gsm-uniform-mix", "ar_greedy")
     # Without a uniform mixture there is no masked-vs-uniform finding, only the masked model's own.
     assert all("uniform" not in f.name for f in demo_findings(("ci-ar", "ci"), (0.1,), (4,)))
+
+
+def test_the_language_findings_map_onto_its_grid_positive_control_first():
+    assert roles(LANGUAGE_PRESETS, "language") == {"ar": "lang-ar", "masked": "lang-masked-mix", "uniform": "lang-uniform-mix",
+                                                   "single": "lang-masked"}
+    findings = language_findings(LANGUAGE_PRESETS)
+    labels = {(m, sampler_label(s)) for m in LANGUAGE_PRESETS for s in language_samplers(preset(m).block_sizes)}
+    assert all(f.a in labels and f.b in labels and f.metric == "invalid_pairs" for f in findings)
+    first = findings[0]
+    assert (first.name, first.a, first.b, first.paper_sign) == (
+        "masked: ancestral NFE 1 - NFE 16", ("lang-masked-mix", "ancestral(N1,T1)"), ("lang-masked-mix", "ancestral(N16,T1)"), +1)
+    by_name = {f.name: f for f in findings}
+    assert len(by_name) == len(findings) == 27  # the control, then 2 at NFE 1 (no ARPC there) and 6 at each of NFE 2-16
+    assert by_name["masked: ARPC - ancestral (same network), NFE 2"].a == ("lang-masked-mix", "arpc(N1,GE1,T1)")
+    assert by_name["uniform - masked mix, ancestral NFE 4"].paper_sign == -1  # fewer broken pairs: A ahead
+    assert by_name["uniform - masked mix, ancestral NFE 8"].paper_sign == 0
 
 
 @dataclass(frozen=True)

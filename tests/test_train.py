@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_hash, load_checkpoint, read_config, save_checkpoint
 from blockgen.harness.data.sources import DataConfig, get_tokenizer
 from blockgen.harness.data.prepare import load_examples
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 from blockgen.harness.training.presets import preset
-from blockgen.harness.training.train import NonFiniteLoss, train, warm_start
+from blockgen.harness.training.train import train, warm_start
 from blockgen.models.model import BlockGen
 from limits import HANG_S
 
@@ -103,50 +102,6 @@ def test_warm_start_copies_the_weights_across_priors(workdir):
     torch.testing.assert_close(after["dit.blocks.0.attn.qkv.weight"], weights["dit.blocks.0.attn.qkv.weight"], rtol=0, atol=1e-6)
 
 
-def test_a_spike_is_flagged_and_a_non_finite_loss_stops_before_its_update(workdir, monkeypatch, capsys):
-    """The training loss of step 12 made 20x (a spike: flagged in its record and said), that of step 14 NaN:
-    the run stops at 14 before the optimizer applies it, with the record logged and the checkpoint of
-    step 10 clean; rerunning resumes from that checkpoint and drops the records after it."""
-    config = ci_config(workdir, "nan", max_steps=20, batch_size=16, micro_batch=16, save_every=5, eval_every=1000)
-    forward, calls, updates = BlockGen.forward, [], []
-
-    def poisoned(self, *args, **kwargs):  # one training forward per step (micro_batch = batch_size)
-        total, count = forward(self, *args, **kwargs)
-        if torch.is_grad_enabled():
-            calls.append(len(calls) + 1)
-            total = total * {12: 20.0, 14: math.nan}.get(calls[-1], 1.0)
-        return total, count
-
-    monkeypatch.setattr(BlockGen, "forward", poisoned)
-    hook = register_optimizer_step_pre_hook(lambda *_: updates.append(1))
-    try:
-        with pytest.raises(NonFiniteLoss, match=r"^step 14: loss is nan \(grad norm nan\); .* \(step 10\)") as stopped:
-            train(config, progress=False)
-    finally:
-        hook.remove()
-    assert (stopped.value.step, len(calls), len(updates)) == (14, 14, 13)  # step 14's update never ran
-    said = capsys.readouterr().err
-    assert f"blockgen train: {stopped.value}" in said
-    spike = [line for line in said.splitlines() if "(loss spike" in line]
-    assert len(spike) == 1 and spike[0].startswith("step 12: loss "), said[-2000:]
-    log = workdir / "nan" / "metrics.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 15))
-    assert (records[-1]["loss"], records[-1]["grad_norm"]) == ("nan", "nan")
-    assert [r["step"] for r in records if r.get("loss_spike")] == [12]
-    assert records[11]["loss"] > 3 * records[11]["loss_avg"] > 0
-    ckpt = workdir / "nan" / "checkpoint"
-    assert json.loads((ckpt / "config.json").read_text())["training"]["step"] == 10
-    state = torch.load(ckpt / "training_state.pt", weights_only=False)
-    for weights in (load_file(str(ckpt / "model.safetensors")), state["model"]):
-        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
-    monkeypatch.undo()
-    train(replace(config, max_steps=14), progress=False)
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 15))
-    assert all(math.isfinite(r["loss"]) and "loss_spike" not in r for r in records)
-
-
 def test_checkpoint_errors_are_clear(workdir, tmp_path):
     config = ci_config(workdir, "ckpt", max_steps=2, eval_every=2, save_every=2)
     ckpt = train(config, progress=False)
@@ -196,28 +151,6 @@ def test_cli_trains_and_torchrun_two_processes(workdir):
     assert math.isfinite(records[-1]["val_nll_lse"])
     model, _ = load_checkpoint(out / "checkpoint")
     assert model.config.block_sizes == (1, 4)
-
-
-def test_torchrun_stops_every_rank_on_a_non_finite_loss(workdir):
-    """A learning rate of 1e30 overflows at step 2: both ranks stop there (none left waiting in a
-    collective: the run ends, far inside HANG_S), rank 0 says why once, and the step's record holds the
-    non-finite value as a string."""
-    out = workdir / "ddp-nan"
-    cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29532", "-m", "blockgen.harness.cli",
-        "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--lr", "1e30", "--warmup-steps", "1",
-        "--save-every", "1", "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=workdir)
-    assert result.returncode != 0
-    # rank 0 says why once and exits 1 (`blockgen train` prints no traceback); rank 1 left the same step's barrier,
-    # so it is not waiting in a collective: it exits too, or torchrun stops it once rank 0 has exited
-    assert result.stderr.count("blockgen train: step 2: loss is ") == 1, result.stderr[-3000:]
-    assert "exitcode  : 1" in result.stderr and "NonFiniteLoss" not in result.stderr  # torchrun's own report, no traceback of ours
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2] and {records[1]["loss"], records[1]["grad_norm"]} & {"inf", "nan"}
-    assert json.loads((out / "checkpoint" / "config.json").read_text())["training"]["step"] == 1
 
 
 def test_local_files_with_hub_schema(tmp_path):
@@ -367,8 +300,10 @@ def test_demo_command_end_to_end(tmp_path):
     assert "ci-ar: trained earlier" in again.stdout and "ci: trained earlier" in again.stdout
     assert json.loads((out / "summary.json").read_text())["models"]["ci"]["likelihood"] == info
     # A second training seed: seed 0 is the run above (kept as it is), seed 1 trains anew under
-    # seed-1/ with its own warm start, and the findings are pooled over the two runs.
-    seeds = subprocess.run([*cmd, "--seeds", "0", "1"], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
+    # seed-1/ with its own warm start, and the findings are pooled over the two runs (the word problems' here;
+    # the language's findings map onto its grid in tests/test_findings.py).
+    word_problems = [a for a in cmd if a != "lang-masked-mix"]
+    seeds = subprocess.run([*word_problems, "--seeds", "0", "1"], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert seeds.returncode == 0, seeds.stderr[-3000:]
     assert [p.stat().st_mtime_ns for p in results] == stamps
     second = json.loads((out / "seed-1" / "summary.json").read_text())["models"]
@@ -378,8 +313,7 @@ def test_demo_command_end_to_end(tmp_path):
     findings = json.loads((out / "findings.json").read_text())
     assert findings["runs"] == [str(out), str(out / "seed-1")]
     assert {f["finding"]["name"] for f in findings["findings"]} >= {"masked: ARPC - ancestral, NFE 4, T 0.1",
-                                                                    "masked: ARPC NFE 4 - AR greedy, T 0.1",
-                                                                    "masked: ancestral NFE 1 - NFE 2"}
+                                                                    "masked: ARPC NFE 4 - AR greedy, T 0.1"}
     assert all(len(f["runs"]) == 2 for f in findings["findings"])
     assert (out / "findings.png").is_file() and "findings across 2 runs" in seeds.stdout
 

@@ -1,19 +1,34 @@
-"""The loss-spike rule of training (`LossSpikeMonitor`), without training: quiet on healthy curves, a
-warning exactly at an injected spike. The loop's side (records, warnings, a non-finite loss): tests/test_train.py."""
+"""Training's health: the loss-spike rule (`LossSpikeMonitor`) without training, quiet on a healthy curve
+and a warning exactly at an injected spike; then the loop's side, a run whose loss is made a spike and then
+NaN, and two torchrun ranks stopping together on a non-finite loss."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from blockgen.harness.training.train import LossSpikeMonitor, json_number
+from blockgen.harness.training.train import LossSpikeMonitor, NonFiniteLoss, json_number, train
+from blockgen.models.model import BlockGen
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_RUNS = ("gsm-ar", "gsm-masked-mix", "gsm-uniform-mix")  # `make demo`'s healthy curves, where it has run
+sys.path.insert(0, str(Path(__file__).parent))
+from limits import HANG_S  # noqa: E402
+from test_train import PY, ci_config  # noqa: E402  the tests' micro training config
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("health")
 
 
 def healthy_curve(steps: int = 800, seed: int = 0) -> list[float]:
@@ -65,10 +80,67 @@ def test_non_finite_values_are_written_as_strings():
     assert json.loads(json.dumps({"loss": json_number(math.nan)})) == {"loss": "nan"}  # valid JSON, read back by float()
 
 
-@pytest.mark.parametrize("run", DEMO_RUNS)
-def test_the_demo_runs_curves_give_no_warning(run):
-    path = REPO / "runs" / "demo" / run / "metrics.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not there (`make demo` writes it)")
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert flagged([r["loss"] for r in records]) == []
+def test_a_spike_is_flagged_and_a_non_finite_loss_stops_before_its_update(workdir, monkeypatch, capsys):
+    """The training loss of step 12 made 20x (a spike: flagged in its record and said), that of step 14 NaN:
+    the run stops at 14 before the optimizer applies it, with the record logged and the checkpoint of
+    step 10 clean; rerunning resumes from that checkpoint and drops the records after it."""
+    config = ci_config(workdir, "nan", max_steps=20, batch_size=16, micro_batch=16, save_every=5, eval_every=1000)
+    forward, calls, updates = BlockGen.forward, [], []
+
+    def poisoned(self, *args, **kwargs):  # one training forward per step (micro_batch = batch_size)
+        total, count = forward(self, *args, **kwargs)
+        if torch.is_grad_enabled():
+            calls.append(len(calls) + 1)
+            total = total * {12: 20.0, 14: math.nan}.get(calls[-1], 1.0)
+        return total, count
+
+    monkeypatch.setattr(BlockGen, "forward", poisoned)
+    hook = register_optimizer_step_pre_hook(lambda *_: updates.append(1))
+    try:
+        with pytest.raises(NonFiniteLoss, match=r"^step 14: loss is nan \(grad norm nan\); .* \(step 10\)") as stopped:
+            train(config, progress=False)
+    finally:
+        hook.remove()
+    assert (stopped.value.step, len(calls), len(updates)) == (14, 14, 13)  # step 14's update never ran
+    said = capsys.readouterr().err
+    assert f"blockgen train: {stopped.value}" in said
+    spike = [line for line in said.splitlines() if "(loss spike" in line]
+    assert len(spike) == 1 and spike[0].startswith("step 12: loss "), said[-2000:]
+    log = workdir / "nan" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert (records[-1]["loss"], records[-1]["grad_norm"]) == ("nan", "nan")
+    assert [r["step"] for r in records if r.get("loss_spike")] == [12]
+    assert records[11]["loss"] > 3 * records[11]["loss_avg"] > 0
+    ckpt = workdir / "nan" / "checkpoint"
+    assert json.loads((ckpt / "config.json").read_text())["training"]["step"] == 10
+    state = torch.load(ckpt / "training_state.pt", weights_only=False)
+    for weights in (load_file(str(ckpt / "model.safetensors")), state["model"]):
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    monkeypatch.undo()
+    train(replace(config, max_steps=14), progress=False)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert all(math.isfinite(r["loss"]) and "loss_spike" not in r for r in records)
+
+
+def test_torchrun_stops_every_rank_on_a_non_finite_loss(workdir):
+    """A learning rate of 1e30 overflows at step 2: both ranks stop there (none left waiting in a
+    collective: the run ends, far inside HANG_S), rank 0 says why once, and the step's record holds the
+    non-finite value as a string."""
+    out = workdir / "ddp-nan"
+    cmd = [
+        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29532", "-m", "blockgen.harness.cli",
+        "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--lr", "1e30", "--warmup-steps", "1",
+        "--save-every", "1", "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=workdir)
+    assert result.returncode != 0
+    # rank 0 says why once and exits 1 (`blockgen train` prints no traceback); rank 1 left the same step's barrier,
+    # so it is not waiting in a collective: it exits too, or torchrun stops it once rank 0 has exited
+    assert result.stderr.count("blockgen train: step 2: loss is ") == 1, result.stderr[-3000:]
+    assert "exitcode  : 1" in result.stderr and "NonFiniteLoss" not in result.stderr  # torchrun's own report, no traceback of ours
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and {records[1]["loss"], records[1]["grad_norm"]} & {"inf", "nan"}
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["training"]["step"] == 1
