@@ -235,7 +235,7 @@ def test_demo_command_end_to_end(tmp_path):
 
     out = tmp_path / "demo"
     cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "ci", "lang-masked-mix",
-           "--max-steps", "4", "--problems", "8", "--nfes", "4", "--language-prompts", "8", "--language-nfes", "1", "2", "--jobs", "2"]
+           "--max-steps", "4", "--problems", "8", "--nfes", "4", "--language-prompts", "8", "--language-nfes", "2", "--jobs", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -274,12 +274,12 @@ def test_demo_command_end_to_end(tmp_path):
     assert any(n.startswith("frontier_gsm8k_code_embedded") for n in plots)
     assert (out / "page" / "index.html").is_file()
     assert "accuracy" in result.stdout and "validation NLL/token" in result.stdout
-    # The synthetic language: every sampler at NFE 1 and 2 per block, scored exactly; its likelihood pass beside
+    # The synthetic language: every sampler at NFE 2 per block, scored exactly; its likelihood pass beside
     # the exact NLL of the same documents.
     language = [r for r in rows if r.task == "synthlang_gen" and r.metric == "invalid_pairs"]
     assert {(r.sampler, r.nfe_per_block) for r in language if r.sampler not in ("confidence_threshold", "entropy_bounded")} == {
-        ("ancestral", 1), ("ancestral", 2), ("eipc", 1), ("eipc", 2), ("arpc", 2), ("low_confidence", 1), ("low_confidence", 2),
-        ("ar_greedy", 1), ("ar_sample", 1)}
+        ("ancestral", 2), ("eipc", 2), ("arpc", 2), ("low_confidence", 2), ("ar_greedy", 1), ("ar_sample", 1)}
+    assert {r.sampler for r in language} >= {"confidence_threshold", "entropy_bounded"}
     assert all(r.n == 8 and 0 <= r.value <= 1 for r in language)
     from blockgen.harness.data.language import load_language
 
