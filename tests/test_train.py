@@ -243,8 +243,8 @@ def test_demo_command_end_to_end(tmp_path):
     # The mixture starts from the AR model's weights; the AR model trains alone, on both workers' cores.
     models = summary["models"]
     assert models["ci"]["init_from"] == str(out / "ci-ar" / "checkpoint") and models["ci-ar"]["init_from"] is None
-    # beside the language's models, which start from random weights, the AR parent goes first on one core
-    assert (models["ci-ar"]["threads"], models["ci"]["threads"]) == (1, 1)
+    # The AR parent trains first and alone, on both workers' cores; the language's model starts after it.
+    assert (models["ci-ar"]["threads"], models["ci"]["threads"], models["lang-masked-mix"]["threads"]) == (2, 1, 1)
     assert models["lang-masked-mix"]["init_from"] is None
     assert "ci starts from the weights of ci-ar" in result.stdout
     rows = leaderboard.read(out / "leaderboard.json").rows
