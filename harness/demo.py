@@ -167,13 +167,12 @@ def _validation_examples(train_config: TrainConfig, tokenizer):
 
         problems = to_records(generate("validation", data.n_val, data.seed, data.difficulty))
         return encode_problems(problems, tokenizer, special, train_config.seq_len)[0], None
-    import numpy as np
     import torch
 
-    from blockgen.harness.data.language import DOC_SYMBOLS, TEST_SEED, load_language
+    from blockgen.harness.data.language import DOC_SYMBOLS, document_rows, load_language
 
     language = load_language(data.language)
-    rows = language.sample(data.n_val, DOC_SYMBOLS, np.random.default_rng(TEST_SEED))
+    rows = document_rows(language, data.n_val)
     ids = [[special.bos, *tokenizer.encode(language.text(r), add_special_tokens=False)] for r in rows]
     if any(len(i) != 1 + DOC_SYMBOLS for i in ids):
         raise ValueError("the language's tokenizer splits a word into several tokens: NLL per token is not per word")

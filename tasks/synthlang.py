@@ -58,11 +58,9 @@ def _load(name: str):
 
 
 def _held_out(metadata: dict, n: int) -> list[list[int]]:
-    from blockgen.harness.data.language import DOC_SYMBOLS, TEST_SEED
+    from blockgen.harness.data.language import document_rows
 
-    language = _language(metadata)
-    rows = language.sample(n, DOC_SYMBOLS, np.random.default_rng(TEST_SEED))
-    return rows.tolist()
+    return document_rows(_language(metadata), n).tolist()
 
 
 def check_spelling(language, tokenizer) -> int:

@@ -220,7 +220,11 @@ DOC_SYMBOLS = 61
 TEST_SEED = 1_000_003
 
 
+def document_rows(language: MarkovLanguage, n: int, seed: int = TEST_SEED) -> np.ndarray:
+    """(n, DOC_SYMBOLS) word ids of n documents drawn with `seed` (default: the held-out set's)."""
+    return language.sample(n, DOC_SYMBOLS, np.random.default_rng(seed))
+
+
 def documents(language: MarkovLanguage, n: int, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    return [language.text(row) for row in language.sample(n, DOC_SYMBOLS, rng)]
+    return [language.text(row) for row in document_rows(language, n, seed)]
 
