@@ -113,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the word-problem generator's level (default: the presets', 'easy')")
     demo_p.add_argument("--seeds", type=int, nargs="+", default=list(DemoConfig.seeds),
                         help="training seeds: every model trains once per seed (seed s > 0 under OUT_DIR/seed-s); "
-                             "with several, the findings across runs -> OUT_DIR/findings.json")
+                             "with several, the findings across runs -> OUT_DIR/findings.json and each model's "
+                             "held-out NLL across the seeds -> OUT_DIR/training-spread.json")
+    demo_p.add_argument("--train-only", action="store_true",
+                        help="train the models and measure their held-out likelihood, without the sampler sweep "
+                             "(with several --seeds: is training robust to the seed?)")
     sub.add_parser("presets", help="list the training presets as a table").add_argument(
         "--json", action="store_true", help="every setting of every preset, as one JSON object by name")
     check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU), in one time budget (--budget-s, 480 s): "
@@ -261,7 +265,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
                         jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
-                        seeds=tuple(args.seeds), language_prompts=args.language_prompts, language_nfes=tuple(args.language_nfes)))
+                        seeds=tuple(args.seeds), language_prompts=args.language_prompts, language_nfes=tuple(args.language_nfes),
+                        train_only=args.train_only))
     return 0
 
 

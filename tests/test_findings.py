@@ -17,7 +17,8 @@ from scipy.stats import t as student_t
 
 from blockgen.harness.reports.compare import mean_stderr
 from blockgen.harness.reports.findings import (
-    Finding, demo_findings, format_table, language_findings, plot, pool, roles, write_findings,
+    Finding, demo_findings, format_table, language_findings, plot, pool, roles, training_spread, write_findings,
+    write_training_spread,
 )
 from blockgen.harness.evaluation.grids import demo_samplers, language_samplers, sampler_label
 from blockgen.harness.training.presets import DEMO_PRESETS, LANGUAGE_PRESETS, preset
@@ -175,3 +176,32 @@ def test_plot_colours_findings_by_verdict(tmp_path):
         rgb = np.asarray(image.convert("RGB")).astype(int)
     green = (rgb[..., 1] > rgb[..., 0] + 40) & (rgb[..., 1] > rgb[..., 2] + 40)
     assert green.sum() > 20  # the reproduced finding's bar is drawn in green
+
+
+def test_training_spread_judges_each_model_against_its_median_over_seeds(tmp_path, capsys):
+    """Five seeds by hand: the word-problem model with one seed 4x its median is outside 2x; the language model
+    is judged on its NLL and also shows its excess over the exact NLL; a model missing in one run is left out."""
+    runs = [tmp_path / f"seed-{k}" for k in range(5)]
+    ar = [0.010, 0.012, 0.011, 0.044, 0.009]  # median 0.011: seed 3 is 4x it
+    lang = [1.30, 1.20, 1.25, 1.40, 1.22]  # exact NLL 1.10: excess 0.20, 0.10, 0.15, 0.30, 0.12
+    for k, run in enumerate(runs):
+        run.mkdir()
+        models = {"gsm-ar": {"likelihood": {"nll_block_1": ar[k], "nll_lse": ar[k]}},
+                  "lang-masked-mix": {"likelihood": {"nll_lse": lang[k], "nll_true": 1.10}}}
+        if k:
+            models["gsm-masked-mix"] = {"likelihood": {"nll_lse": 0.02}}
+        (run / "summary.json").write_text(json.dumps({"models": models}))
+    rows = {r["model"]: r for r in training_spread(runs)}
+    assert set(rows) == {"gsm-ar", "lang-masked-mix"}
+    assert rows["gsm-ar"]["median"] == 0.011 and rows["gsm-ar"]["worst_ratio"] == pytest.approx(4.0)
+    assert not rows["gsm-ar"]["within"] and "excess" not in rows["gsm-ar"]
+    assert rows["lang-masked-mix"]["worst_ratio"] == pytest.approx(1.40 / 1.25) and rows["lang-masked-mix"]["within"]
+    assert rows["lang-masked-mix"]["excess"] == pytest.approx([0.20, 0.10, 0.15, 0.30, 0.12])
+    assert rows["lang-masked-mix"]["excess_worst_ratio"] == pytest.approx(0.30 / 0.15)
+
+    config = _Config(str(tmp_path), seeds=tuple(range(5)))
+    write_training_spread(config, runs)
+    printed = capsys.readouterr().out
+    assert "OUTSIDE 2x" in printed and "within 2x" in printed and "4.00x" in printed
+    doc = json.loads((tmp_path / "training-spread.json").read_text())
+    assert doc["seeds"] == [0, 1, 2, 3, 4] and [r["model"] for r in doc["models"]] == ["gsm-ar", "lang-masked-mix"]

@@ -316,6 +316,18 @@ def test_demo_command_end_to_end(tmp_path):
                                                                     "masked: ARPC NFE 4 - AR greedy, T 0.1"}
     assert all(len(f["runs"]) == 2 for f in findings["findings"])
     assert (out / "findings.png").is_file() and "findings across 2 runs" in seeds.stdout
+    assert "held-out NLL across 2 training seeds" in seeds.stdout
+    # --train-only with a third seed: seed 2 trains, nothing is swept, the spread covers the three seeds and the
+    # findings (which need the sweep) are left as they were.
+    findings_before = (out / "findings.json").read_bytes()
+    train_only = subprocess.run([*word_problems, "--seeds", "0", "1", "2", "--train-only"], capture_output=True, text=True,
+                                timeout=HANG_S, cwd=tmp_path)
+    assert train_only.returncode == 0, train_only.stderr[-3000:]
+    assert (out / "seed-2" / "ci" / "checkpoint").is_dir() and not (out / "seed-2" / "results").exists()
+    assert not (out / "seed-2" / "leaderboard.json").exists() and (out / "findings.json").read_bytes() == findings_before
+    spread = json.loads((out / "training-spread.json").read_text())
+    assert spread["seeds"] == [0, 1, 2] and {r["model"] for r in spread["models"]} == {"ci-ar", "ci"}
+    assert all(len(r["nll"]) == 3 and r["worst_ratio"] >= 1 for r in spread["models"])
 
 
 def test_demo_sweep_matches_the_paper_nfe_labels():

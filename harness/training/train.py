@@ -302,7 +302,7 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     if config.init_from is not None and not resuming:
         warm_start(model, config.init_from, tokenizer)
     ema = EMA(model, config.ema_decay)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, config.adam_beta2), weight_decay=0.0)
     step = 0
     if resuming:
         step = resume_training_state(ckpt_dir, config, model, optimizer, ema, d.device)

@@ -41,6 +41,10 @@ class TrainConfig:
     lr_schedule: Literal["constant", "cosine"] = "constant"
     max_steps: int = 1000
     grad_clip: float = 1.0
+    # AdamW's second-moment decay (beta1 0.9, no weight decay). 0.999 as the authors' code; the demo's tiny
+    # models use 0.95: the seed's plateau before they copy from their context ends sooner and in every seed
+    # (docs/results.md, "Why a word-problem seed trains worse").
+    adam_beta2: float = 0.999
     ema_decay: float = 0.999
     eval_every: int = 250
     k_mc: int = 8
@@ -78,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"lr_schedule={self.lr_schedule!r}; choose 'constant' or 'cosine'")
         if self.architecture not in ("blockgen", "ar"):
             raise ValueError(f"architecture={self.architecture!r}; choose 'blockgen' or 'ar'")
+        if not 0.0 <= self.adam_beta2 < 1.0:
+            raise ValueError(f"adam_beta2={self.adam_beta2}; choose a decay in [0, 1)")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
         if any(s < 1 for s in self.keep_steps) or len(set(self.keep_steps)) != len(self.keep_steps):
