@@ -47,7 +47,7 @@ class DemoConfig:
     out_dir: str = "runs/demo"
     presets: tuple[str, ...] = DEMO_PRESETS + LANGUAGE_PRESETS
     max_steps: int | None = None  # override every preset's step count
-    problems: int = 500  # held-out test problems per evaluation
+    problems: int = 400  # held-out test problems per evaluation
     jobs: int = 0  # worker processes (one thread each); 0: one per usable core
     # 0.1: what tiny models need (docs/results.md: T = 1.0 costs the uniform mixture 5-8 points);
     # add 1.0, the paper's GSM8K temperature, for the full sweep (`make sweep`).
@@ -148,6 +148,13 @@ def _eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, diffi
                              batch_size=config.batch_size, difficulty=difficulty, results_path=out)
 
 
+def _task_settings(config: DemoConfig, train_config: TrainConfig, difficulty: str) -> dict:
+    """The task settings (lm-eval metadata) of a model's evaluations: what a kept results file must match."""
+    if is_language(train_config):
+        return {"language": train_config.data.language, "prompts": config.language_prompts}
+    return {"embedded_problems": config.problems, "difficulty": difficulty}
+
+
 def _language_eval_job(checkpoint: str, sampler: SamplerConfig, config: DemoConfig, language: str, out: str) -> dict:
     from blockgen.harness.evaluation.wordproblem_eval import evaluate_task
 
@@ -222,9 +229,10 @@ def _provenance() -> dict:
     return provenance(" ".join(["blockgen", *sys.argv[1:]]))
 
 
-def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
-    """A results file from an earlier run that scored the checkpoint with this hash and kept its
-    per-problem samples (older runs did not: they are rerun, so comparisons can be paired)."""
+def _fresh(results_path: Path, checkpoint_sha: str, settings: dict) -> bool:
+    """A results file from an earlier run that scored the checkpoint with this hash on the task's same
+    `settings` (problems, level or language, prompts: its metadata) and kept its per-problem samples
+    (older runs did not: they are rerun, so comparisons can be paired)."""
     from blockgen.harness.evaluation.wordproblem_eval import samples_path
 
     if not samples_path(results_path).is_file():
@@ -233,7 +241,9 @@ def _fresh(results_path: Path, checkpoint_sha: str) -> bool:
         results = json.loads(results_path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return results.get("config", {}).get("model_sha") == checkpoint_sha
+    metadata = [task.get("metadata", {}) for task in results.get("configs", {}).values()]
+    return results.get("config", {}).get("model_sha") == checkpoint_sha and len(metadata) == 1 and \
+        all(metadata[0].get(k) == v for k, v in settings.items())
 
 
 # A model's finished jobs other than its evaluations (those are results files, `_fresh`): the training run and the
@@ -395,11 +405,12 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
             language = is_language(models[name])
             samplers = [] if config.train_only else (language_samplers(models[name].block_sizes, config.language_nfes) if language
                         else samplers_for(models[name].block_sizes, config.temperatures, config.nfes))
+            settings = _task_settings(config, models[name], difficulty)
             for sampler in samplers:
                 label = sampler_label(sampler)
                 path = out / "results" / name / f"{label}.json"
                 results_files[name].append(path)
-                if _fresh(path, sha):
+                if _fresh(path, sha, settings):
                     continue
                 log = out / "logs" / f"eval-{name}-{label}.log"
                 job = (_language_eval_job, checkpoint, sampler, config, models[name].data.language, str(path)) if language \

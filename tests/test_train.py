@@ -216,6 +216,13 @@ def test_cli_errors_are_one_line_and_leave_no_out_dir(workdir, tmp_path):
         assert not out.exists(), flags
 
 
+def test_the_optimizer_uses_the_configured_beta2(workdir):
+    config = ci_config(workdir, "beta2", adam_beta2=0.9, max_steps=1, eval_every=10**9, save_every=1)
+    train(config, progress=False)
+    state = torch.load(Path(config.out_dir) / "checkpoint" / "training_state.pt", weights_only=False)
+    assert {tuple(g["betas"]) for g in state["optimizer"]["param_groups"]} == {(0.9, 0.9)}
+
+
 def test_cli_resume_says_where_it_resumed(workdir):
     out = workdir / "cli-resume"
     flags = ("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", "--eval-every", "1000", "--save-every", "2")
@@ -255,7 +262,7 @@ def test_demo_command_end_to_end(tmp_path):
                                              "entropy_bounded", "low_confidence"}
     assert all(r.n == 8 and r.train_steps == 4 and r.tokens_per_s > 0 for r in accuracy)
     paper = {"ancestral", "eipc", "arpc", "low_confidence"}
-    assert {r.nfe_per_block for r in accuracy if r.sampler in paper} == {4, 8}  # low-confidence at N 4 and 8
+    assert {r.nfe_per_block for r in accuracy if r.sampler in paper} == {4}  # low-confidence at N 4 (grids.DEMO_FIELD)
     for r in accuracy:  # the field's adaptive samplers: their NFE is their rows' measured mean, at most one per position
         assert r.calls_per_block_per_row is not None and 1 <= r.max_calls_per_block and r.tokens_per_forward > 0
         if r.sampler in ("confidence_threshold", "entropy_bounded"):
@@ -330,6 +337,24 @@ def test_demo_command_end_to_end(tmp_path):
     assert all(len(r["nll"]) == 3 and r["worst_ratio"] >= 1 for r in spread["models"])
 
 
+def test_a_kept_result_must_match_the_checkpoint_and_the_task_settings(tmp_path):
+    """A rerun keeps a results file only for the same checkpoint, the same task settings (a run with
+    --problems 400 after one with 500 evaluates again) and with its per-problem samples beside it."""
+    from blockgen.harness.demo import _fresh
+    from blockgen.harness.evaluation.wordproblem_eval import samples_path
+
+    path = tmp_path / "ancestral(N4,T0.1).json"
+    path.write_text(json.dumps({"config": {"model_sha": "abc"},
+                                "configs": {"gsm8k_code_embedded": {"metadata": {"embedded_problems": 500, "difficulty": "easy"}}}}))
+    same = {"embedded_problems": 500, "difficulty": "easy"}
+    assert not _fresh(path, "abc", same)  # no samples file yet
+    samples_path(path).write_text("")
+    assert _fresh(path, "abc", same)
+    assert not _fresh(path, "abd", same)
+    assert not _fresh(path, "abc", {**same, "embedded_problems": 400})
+    assert not _fresh(path, "abc", {**same, "difficulty": "hard"})
+
+
 def test_demo_sweep_matches_the_paper_nfe_labels():
     from blockgen.harness.demo import DIFFUSION_VARIANTS, DemoConfig, samplers_for
     from blockgen.models.sampler_config import paper_nfe_per_block
@@ -337,9 +362,9 @@ def test_demo_sweep_matches_the_paper_nfe_labels():
     for nfe, variants in DIFFUSION_VARIANTS.items():
         assert all(paper_nfe_per_block(v) == nfe for v in variants)
     mixture = samplers_for((1, 16), (1.0, 0.1), (4, 8, 16))
-    # per temperature: 3 NFEs x (ancestral, EIPC, ARPC), then the field's samplers at two settings each
-    assert len(mixture) == 2 * 3 * 3 + 2 * 6 + 1 and mixture[-1].name == "ar_greedy"
-    assert [s.name for s in mixture[18:24]] == ["confidence_threshold"] * 2 + ["entropy_bounded"] * 2 + ["low_confidence"] * 2
+    # per temperature: 3 NFEs x (ancestral, EIPC, ARPC), then the field's samplers at one setting each
+    assert len(mixture) == 2 * 3 * 3 + 2 * 3 + 1 and mixture[-1].name == "ar_greedy"
+    assert [s.name for s in mixture[18:21]] == ["confidence_threshold", "entropy_bounded", "low_confidence"]
     assert {s.name for s in samplers_for((16,), (0.1,), (4,))} == {  # ARPC needs block size 1
         "ancestral", "eipc", "confidence_threshold", "entropy_bounded", "low_confidence"}
     assert [(s.name, s.temperature) for s in samplers_for((1,), (1.0,), (4,))] == [("ar_greedy", 1.0), ("ar_sample", 1.0)]

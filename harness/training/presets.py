@@ -35,10 +35,10 @@ def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
 _DEMO = dict(eval_every=10**9, save_every=100, lr=1.5e-3, lr_schedule="cosine", adam_beta2=0.95, data=DataConfig(n_val=128))
 PRESETS: dict[str, TrainConfig] = {
     "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), max_steps=600, **_DEMO),
-    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
-    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=300, **_DEMO),
-    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
-    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=300, **_DEMO),
+    "gsm-masked": TrainConfig(prior="masked", **_mixture((16,), (1.0,)), max_steps=250, **_DEMO),
+    "gsm-uniform": TrainConfig(prior="uniform", **_mixture((16,), (1.0,)), max_steps=250, **_DEMO),
+    "gsm-masked-mix": TrainConfig(prior="masked", **_mixture((1, 16), (0.05, 0.95)), max_steps=250, **_DEMO),
+    "gsm-uniform-mix": TrainConfig(prior="uniform", **_mixture((1, 16), (0.05, 0.95)), max_steps=250, **_DEMO),
     # CI: seconds, not minutes.
     "ci": TrainConfig(
         prior="masked", **_mixture((1, 4), (0.5, 0.5)), size="micro", batch_size=16, max_steps=40, warmup_steps=5,
@@ -49,7 +49,7 @@ PRESETS["ci-ar"] = replace(PRESETS["ci"], **_mixture((1,), (1.0,)))
 # The synthetic language with exact probabilities (harness/data/language.py; `make demo`'s second part):
 # a document is one example of seq_len = 64 (BOS, 61 one-token words, its EOS and the frame's), four blocks of 16.
 # Every model starts from random weights.
-_LANGUAGE = dict(size="micro", seq_len=64, batch_size=32, lr=3e-3, lr_schedule="cosine", adam_beta2=0.95, warmup_steps=20, max_steps=1000,
+_LANGUAGE = dict(size="micro", seq_len=64, batch_size=32, lr=3e-3, lr_schedule="cosine", adam_beta2=0.95, warmup_steps=20, max_steps=600,
                  eval_every=10**9, save_every=200, data=DataConfig(source="language", n_train=20_000, n_val=128))
 PRESETS |= {
     "lang-ar": TrainConfig(**_mixture((1,), (1.0,)), **_LANGUAGE),
