@@ -49,7 +49,7 @@ PRESETS["ci-ar"] = replace(PRESETS["ci"], **_mixture((1,), (1.0,)))
 # The synthetic language with exact probabilities (harness/data/language.py; `make demo`'s second part):
 # a document is one example of seq_len = 64 (BOS, 61 one-token words, its EOS and the frame's), four blocks of 16.
 # Every model starts from random weights.
-_LANGUAGE = dict(size="micro", seq_len=64, batch_size=32, lr=3e-3, lr_schedule="cosine", adam_beta2=0.95, warmup_steps=20, max_steps=600,
+_LANGUAGE = dict(size="micro", seq_len=64, batch_size=32, lr=3e-3, lr_schedule="cosine", adam_beta2=0.95, warmup_steps=20, max_steps=1000,
                  eval_every=10**9, save_every=200, data=DataConfig(source="language", n_train=20_000, n_val=128))
 PRESETS |= {
     "lang-ar": TrainConfig(**_mixture((1,), (1.0,)), **_LANGUAGE),
