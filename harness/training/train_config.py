@@ -42,7 +42,7 @@ class TrainConfig:
     max_steps: int = 1000
     grad_clip: float = 1.0
     # AdamW's second-moment decay (beta1 0.9, no weight decay). 0.999 as the authors' code; the demo's tiny
-    # models use 0.95: the seed's plateau before they copy from their context ends sooner and in every seed
+    # models use 0.95: their plateau before they copy from their context ended sooner in four seeds of five
     # (docs/results.md, "Why a word-problem seed trains worse").
     adam_beta2: float = 0.999
     ema_decay: float = 0.999
