@@ -105,8 +105,8 @@ def test_the_papers_claims_map_onto_the_demo_grid():
     assert all(f.a in labels and f.b in labels for f in findings)  # every finding compares settings the demo runs
     names = [f.name for f in findings]
     # the paper's claims, then the field's samplers beside them (no claim), per model: low-confidence against
-    # ancestral at NFE 4 and 8 (its demo settings), the two adaptive ones against ARPC and ancestral at NFE 4
-    assert len(names) == len(set(names)) == 3 + 2 * 3 * 3 + 3 + 2 + 2 * (2 + 2 * 2)
+    # ancestral at NFE 4 (its demo setting, grids.DEMO_FIELD), the two adaptive ones against ARPC and ancestral at NFE 4
+    assert len(names) == len(set(names)) == 3 + 2 * 3 * 3 + 3 + 2 + 2 * (1 + 2 * 2)
     assert by_name_sign(findings, "masked: confidence_threshold (threshold 0.9) - arpc NFE 4, T 0.1") == 0
     by_name = {f.name: f for f in findings}
     assert by_name["uniform - masked, ancestral NFE 4, T 0.1"].paper_sign == +1
