@@ -451,13 +451,11 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                     bar.write(f"{name:<16} {rest[0]:<30} accuracy {_pct(result['accuracy'])} ± {_pct(result['accuracy_stderr'])}")
     bar.close()
     summary_doc = {"provenance": _provenance(), "wall_seconds": round(time.perf_counter() - start, 1), "models": summary}
+    (out / "summary.json").write_text(json.dumps(summary_doc, indent=2))
     if config.train_only:  # no sweep: no leaderboard to write, the likelihoods are in summary.json
-        (out / "summary.json").write_text(json.dumps(summary_doc, indent=2))
         print(f"demo: trained in {summary_doc['wall_seconds'] / 60:.1f} min (--train-only: no sampler sweep); {out / 'summary.json'}")
         return summary_doc
-    board = _leaderboard(config, out, models, summary, results_files, difficulty)
-    (out / "summary.json").write_text(json.dumps(summary_doc, indent=2))
-    _finish(board, out)
+    _finish(_leaderboard(config, out, models, summary, results_files, difficulty), out)
     print(f"demo: done in {summary_doc['wall_seconds'] / 60:.1f} min; {out / 'leaderboard.json'}, {out / 'page' / 'index.html'}")
     return summary_doc
 
