@@ -180,12 +180,13 @@ def _presets(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.checkpoint import CheckpointError
     from blockgen.harness.checkpoints.hub import HubUnavailableError
+    from blockgen.harness.training.run_directory import RunDirectoryBusy
     from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped
     from blockgen.harness.training.train import NonFiniteLoss, train
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
         print(f"checkpoint: {train(config_from_args(args))}")
-    except (ValueError, CheckpointError, HubUnavailableError) as err:
+    except (ValueError, CheckpointError, HubUnavailableError, RunDirectoryBusy) as err:
         print(f"blockgen train: error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as stopped:  # SIGTERM / SIGUSR1 / SIGINT: saved and said so (train), exit 128 + the signal's number

@@ -216,6 +216,30 @@ def test_cli_errors_are_one_line_and_leave_no_out_dir(workdir, tmp_path):
         assert not out.exists(), flags
 
 
+def test_a_second_run_into_a_directory_in_use_is_refused(workdir, tmp_path):
+    """Two processes training into one directory would overwrite each other's checkpoints: while a live
+    process holds the run directory, `blockgen train` into it stops at once naming that process; once
+    the holder is gone (killed, as a crash would), its lock file does not keep the next run out."""
+    out = tmp_path / "run"
+    hold = ("import sys, time; from pathlib import Path; from blockgen.harness.training.run_directory import hold_run_directory\n"
+            "with hold_run_directory(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(3600)")
+    holder = subprocess.Popen([PY, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        flags = ("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", "--max-steps", "1", "--eval-every", "1000")
+        refused = blockgen_train(*flags, cwd=tmp_path)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"blockgen train: error: {out} is in use: pid {holder.pid} on "), last
+        assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=HANG_S)
+    after = blockgen_train(*flags, cwd=tmp_path)
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert (out / "checkpoint" / "training_state.pt").is_file()
+
+
 def test_the_optimizer_uses_the_configured_beta2(workdir):
     config = ci_config(workdir, "beta2", adam_beta2=0.9, max_steps=1, eval_every=10**9, save_every=1)
     train(config, progress=False)

@@ -1,14 +1,17 @@
 """A run's directory across restarts and ranks: resuming from the checkpoint a run left there (which
-settings may change), where the copies kept at `keep_steps` go, and the check at start that every
-rank sees rank 0's directory. The checkpoint slots themselves (`checkpoint`, `checkpoint.prev`, and
+settings may change), where the copies kept at `keep_steps` go, the check at start that every
+rank sees rank 0's directory, and the lock that keeps a second run out of a directory in use. The checkpoint slots themselves (`checkpoint`, `checkpoint.prev`, and
 restoring the newest complete one) are harness/checkpoints/checkpoint.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,3 +105,47 @@ def check_same_run_directory(out: Path, ckpt_dir: Path, d: Distributed) -> None:
             f"the ranks do not share one run directory: rank 0 on {reference['host']} sees {reference['dir']} with "
             f"checkpoint step {reference['step']}, but {'; '.join(lines)}{' ...' if len(differ) > 4 else ''}. "
             f"Training on several machines needs a shared file system: {SHARED_STORAGE}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one run at a time in a directory
+
+TRAIN_LOCK = ".train.lock"  # held (flock) by rank 0 while it trains; the OS drops it when the process dies
+
+
+class RunDirectoryBusy(RuntimeError):
+    """Another live process is training into this run directory."""
+
+
+@contextlib.contextmanager
+def hold_run_directory(out: Path, holder: bool = True) -> Iterator[None]:
+    """Keep other runs out of `out` while this one trains (`holder`: rank 0; other ranks hold nothing).
+
+    Two processes training into one directory overwrite each other's checkpoints and metrics and
+    resume from each other's steps: the second is refused at start, naming the first. An advisory
+    `flock`, so a crashed run leaves no stale lock behind (the file stays, unlocked)."""
+    if not holder:
+        yield
+        return
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / TRAIN_LOCK, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            owner = lock.read().strip() or "another process"
+            raise RunDirectoryBusy(f"{out} is in use: {owner} is training into it; wait for it to end, stop it, "
+                                   "or train into another out_dir") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        try:
+            yield
+        except BaseException:
+            if created and [p.name for p in out.iterdir()] == [TRAIN_LOCK]:  # a run that failed at start leaves no folder
+                (out / TRAIN_LOCK).unlink()
+                out.rmdir()
+            raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -38,7 +38,9 @@ from blockgen.harness.data.prepare import ensure_prepared, load_prepared
 from blockgen.harness.runtime.progress import Progress
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 from blockgen.harness.training.flops_memory import memory_estimate, names_the_knob, peak_flops, training_flops_per_step
-from blockgen.harness.training.run_directory import check_same_run_directory, checkpoint_step, keep_dir, resume_training_state
+from blockgen.harness.training.run_directory import (
+    check_same_run_directory, checkpoint_step, hold_run_directory, keep_dir, resume_training_state,
+)
 from blockgen.harness.training.stop_signals import TrainingStopped, agreed_stop, stop_requests
 from blockgen.harness.training.train_config import TrainConfig
 from blockgen.models.model import BlockGen
@@ -287,8 +289,13 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     # The data cache first, before any process group: preparing it may take hours (`ensure_prepared`).
     prepared = ensure_prepared(config.data, config.seq_len)
     d = setup_distributed(config.device, config.dist_timeout_s)
-    torch.manual_seed(config.seed)  # the same initial weights on every rank
     out = Path(config.out_dir)
+    with hold_run_directory(out, d.is_main):  # a second run into `out` is refused, naming this one
+        return _train(config, prepared, d, out, progress)
+
+
+def _train(config: TrainConfig, prepared: Path, d: Distributed, out: Path, progress: bool) -> Path:
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
     ckpt_dir = out / "checkpoint"
     # Every rank reads the prepared cache (memory-mapped) and the tokenizer saved with it: no hub access.
     tokenizer, train_data, val_data, data_info = load_prepared(prepared, config.data.n_val)
@@ -324,7 +331,6 @@ def train(config: TrainConfig, progress: bool = True) -> Path:
     flops_per_step = training_flops_per_step(model_config, config.batch_size)
     peak = peak_flops(str(d.device), config.peak_tflops)
     if d.is_main:
-        out.mkdir(parents=True, exist_ok=True)  # only now: a run that failed before this leaves no empty folder
         (out / "train_config.json").write_text(json.dumps({**config.to_dict(), "data_info": data_info}, indent=2))
     metrics = MetricsLog(out, step, enabled=d.is_main)
     spikes = LossSpikeMonitor()
