@@ -351,7 +351,7 @@ def _run_seed(config: DemoConfig, seed: int) -> dict:
 
 
 def _training_progress(models: dict[str, TrainConfig], training: list[str]) -> str:
-    """'gsm-ar step 340/600' for the running training jobs, from their metrics.jsonl (the jobs run in
+    """'gsm-ar step 340/1200' for the running training jobs, from their metrics.jsonl (the jobs run in
     other processes; the job bar would otherwise sit still through the longest stage)."""
     parts = []
     for name in training:
