@@ -33,7 +33,7 @@ def _mixture(sizes: tuple[int, ...], weights: tuple[float, ...]) -> dict:
 # AdamW beta2 0.95: with 0.999 seed 2 sat hundreds of steps longer on the plateau before the model copies from its
 # context; 0.95 shortened it for seed 2 but not for seed 4. The plateau's end comes after a number of optimizer
 # steps more than of examples, so gsm-ar takes twice the steps of half the batch (the same examples and time):
-# seed 4 left it at step 593 of 1,200 instead of 520 of 600 (docs/results.md, "Why a word-problem seed trains worse").
+# four seeds of five left it by step 503 of 1,200; seed 4 at 593 or 783 (two runs), so not yet robust (docs/results.md).
 _DEMO = dict(eval_every=10**9, save_every=100, lr=1.5e-3, lr_schedule="cosine", adam_beta2=0.95, data=DataConfig(n_val=128))
 PRESETS: dict[str, TrainConfig] = {
     "gsm-ar": TrainConfig(**_mixture((1,), (1.0,)), batch_size=16, max_steps=1200, **_DEMO),
