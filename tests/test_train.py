@@ -223,10 +223,10 @@ def test_a_second_run_into_a_directory_in_use_is_refused(workdir, tmp_path):
     out = tmp_path / "run"
     hold = ("import sys, time; from pathlib import Path; from blockgen.harness.training.run_directory import hold_run_directory\n"
             "with hold_run_directory(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(3600)")
+    flags = ("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", "--max-steps", "1", "--eval-every", "1000")
     holder = subprocess.Popen([PY, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        flags = ("--out-dir", out, "--data.cache-dir", workdir.parent / "data-cache", "--max-steps", "1", "--eval-every", "1000")
         refused = blockgen_train(*flags, cwd=tmp_path)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
         last = refused.stderr.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """A run's directory across restarts and ranks: resuming from the checkpoint a run left there (which
 settings may change), where the copies kept at `keep_steps` go, the check at start that every
-rank sees rank 0's directory, and the lock that keeps a second run out of a directory in use. The checkpoint slots themselves (`checkpoint`, `checkpoint.prev`, and
-restoring the newest complete one) are harness/checkpoints/checkpoint.py's.
+rank sees rank 0's directory, and the lock that keeps a second run out of a directory in use. The
+checkpoint slots themselves (`checkpoint`, `checkpoint.prev`, and restoring the newest complete one)
+are harness/checkpoints/checkpoint.py's.
 """
 
 from __future__ import annotations
