@@ -18,10 +18,12 @@ keeps while the checkpoint it scored is unchanged: a rerun with nothing left to 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import redirect_stderr, redirect_stdout
@@ -109,6 +111,27 @@ def _worker_init() -> None:
     import torch
 
     torch.set_num_threads(1)
+    _stop_with_parent(os.getppid())
+
+
+def _stop_with_parent(parent: int) -> None:
+    """A worker whose demo is gone (killed by a signal that runs no cleanup, e.g. `kill -9` or the OOM killer)
+    would train or evaluate on for minutes unwatched: it sends itself SIGTERM instead, which a training answers by
+    saving its checkpoint at the next step (rerunning the demo resumes it) and anything else by ending, then exits
+    once its job has returned (the pool's loop would wait for the dead demo's next job forever)."""
+    import signal
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with _JOB_RUNNING:  # the training's save done
+            os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-parent", daemon=True).start()
+
+
+_JOB_RUNNING = threading.Lock()  # held by a worker process while it runs a job (`_logged`)
 
 
 def _logged(log: Path, fn, *args):
@@ -116,7 +139,7 @@ def _logged(log: Path, fn, *args):
     import logging
 
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f, redirect_stdout(f), redirect_stderr(f):
+    with _JOB_RUNNING, open(log, "a") as f, redirect_stdout(f), redirect_stderr(f):
         handler = logging.StreamHandler(f)
         logging.getLogger().addHandler(handler)
         try:
@@ -253,6 +276,22 @@ def _training_record(train_config: TrainConfig) -> Path:
     return Path(train_config.out_dir) / "demo-training.json"
 
 
+@functools.lru_cache(maxsize=None)
+def _prepared_name(data, seq_len: int) -> str:
+    from blockgen.harness.data.prepare import prepared_dir
+
+    return prepared_dir(data, seq_len).name  # hashes the tokenizer (its rules and training text) and the data
+
+
+def _training_key(train_config: TrainConfig) -> dict:
+    """What a trained checkpoint depended on: its settings, the data as tokenized, and the weights it started from,
+    so a changed tokenizer or a retrained warm-start parent trains it again instead of keeping a stale model."""
+    key = {"config": train_config.to_dict(), "prepared": _prepared_name(train_config.data, train_config.seq_len)}
+    if train_config.init_from is not None:
+        key["init_from_sha"] = _checkpoint_sha(Path(train_config.init_from))
+    return key
+
+
 def _likelihood_record(train_config: TrainConfig) -> Path:
     return Path(train_config.out_dir) / "demo-likelihood.json"
 
@@ -382,7 +421,7 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
 
         def submit_training(name: str, threads: int) -> None:
             sha = _checkpoint_sha(Path(models[name].out_dir) / "checkpoint")
-            if (record := _fresh_record(_training_record(models[name]), models[name].to_dict(), sha)) is not None:
+            if (record := _fresh_record(_training_record(models[name]), _training_key(models[name]), sha)) is not None:
                 bar.write(f"{name}: trained earlier ({record['train_seconds']:.0f} s), checkpoint unchanged: kept")
                 trained(name, record, sha)
                 return
@@ -437,7 +476,7 @@ def _run_jobs(config: DemoConfig, out: Path, models: dict[str, TrainConfig], chi
                 if kind == "train":
                     bar.write(f"trained {name} in {result['train_seconds']:.0f} s -> {result['checkpoint']}")
                     sha = checkpoint_hash(result["checkpoint"])  # once per model: it reads the weights
-                    _write_record(_training_record(models[name]), models[name].to_dict(), sha, result)
+                    _write_record(_training_record(models[name]), _training_key(models[name]), sha, result)
                     trained(name, result, sha)
                     continue
                 bar.update()

@@ -17,7 +17,7 @@ from scipy.stats import t as student_t
 
 from blockgen.harness.reports.compare import mean_stderr
 from blockgen.harness.reports.findings import (
-    Finding, demo_findings, format_table, language_findings, plot, pool, roles, training_spread, write_findings,
+    Finding, demo_findings, format_spread, format_table, language_findings, plot, pool, roles, training_spread, write_findings,
     write_training_spread,
 )
 from blockgen.harness.evaluation.grids import demo_samplers, language_samplers, sampler_label
@@ -203,5 +203,8 @@ def test_training_spread_judges_each_model_against_its_median_over_seeds(tmp_pat
     write_training_spread(config, runs)
     printed = capsys.readouterr().out
     assert "OUTSIDE 2x" in printed and "within 2x" in printed and "4.00x" in printed
+    assert "0.044" in printed and "0.011" in printed  # significant digits, so 1e-5 does not print as 0.0000
+    rows = [{"model": "gsm-ar", "nll": [2.1e-5, 3.4e-6], "median": 1.2e-5, "worst_ratio": 1.75, "within": True}]
+    assert "2.1e-05" in format_spread(rows) and "3.4e-06" in format_spread(rows)
     doc = json.loads((tmp_path / "training-spread.json").read_text())
     assert doc["seeds"] == [0, 1, 2, 3, 4] and [r["model"] for r in doc["models"]] == ["gsm-ar", "lang-masked-mix"]

@@ -314,3 +314,31 @@ def test_make_prepares_before_torchrun():
             prep = next(i for i, line in enumerate(lines) if "prepare-data --preset " + preset in line)
             first_torchrun = next(i for i, line in enumerate(lines) if "torchrun" in line)
             assert prep < first_torchrun and "torchrun" not in lines[prep]
+
+
+def test_the_word_problem_tokenizer_spells_a_number_by_the_same_digit_tokens_in_question_and_program(tmp_path):
+    """The local BPE of the word problems splits digits: a number copied from the question ("$48", "for 48
+    hours") into the program ("x = 48") is the same token ids in both, and decoding gives every text back;
+    a BPE without the rule glues the space to the number, so " 48" and "$48" spell it differently."""
+    import re
+
+    from blockgen.harness.data.sources import local_tokenizer, local_tokenizer_dir
+    from blockgen.harness.data.wordproblems import generate
+
+    config = DataConfig(n_train=2000, vocab_size=512, cache_dir=str(tmp_path))
+    tok = local_tokenizer(config)
+    assert "-digits-" in local_tokenizer_dir(config)[0].name
+    copied = 0
+    for p in generate("train", 300, seed=5):
+        q, code = (tok.encode(t, add_special_tokens=False) for t in (p.question, p.code))
+        assert tok.decode(q) == p.question and tok.decode(code) == p.code
+        for number in re.findall(r"= (\d+)\n", p.code):
+            digits = [tok.convert_tokens_to_ids(d) for d in number]
+            assert tok.encode(f" = {number}", add_special_tokens=False)[-len(number):] == digits
+            if re.search(rf"(?<!\d){number}(?!\d)", p.question):
+                assert any(q[i : i + len(digits)] == digits for i in range(len(q))), (number, p.question)
+                copied += 1
+    assert copied > 500  # most assignments copy a number of the question
+    plain = train_bpe([p.question for p in generate("train", 2000, seed=0)], 512)  # the rule is what splits them
+    assert plain.tokenize(" 48")[-2:] != plain.tokenize("$48")[-2:]  # e.g. "Ġ4", "8" against "4", "8"
+    assert tok.tokenize(" 48")[-2:] == tok.tokenize("$48")[-2:] == ["4", "8"]

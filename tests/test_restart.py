@@ -1,5 +1,6 @@
 """Restarts and faults: `kill -9` of a 2-process torchrun training run (also inside a checkpoint
-write), SIGTERM, then the same command again; torn checkpoint slots; kept copies (`keep_steps`).
+write), SIGTERM, then the same command again; torn checkpoint slots; kept copies (`keep_steps`); `kill -9` of
+`blockgen demo`, whose worker processes must not train on without it.
 
 The rerun resumes from the last complete checkpoint and ends with the weights of an uninterrupted run.
 """
@@ -341,3 +342,38 @@ def test_a_second_ctrl_c_stops_at_once():
             time.sleep(1)  # the handler runs between bytecodes; never reached
     assert signal.getsignal(signal.SIGINT) is before
     assert TrainingInterrupted().exit_code == 130
+
+
+def _children(pid: int) -> set[int]:
+    stats = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stats.append(stat.read_text())
+        except OSError:  # ended meanwhile
+            pass
+    # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces: split after its closing parenthesis
+    return {int(s.split()[0]) for s in stats if int(s.rsplit(")", 1)[1].split()[1]) == pid}
+
+
+def test_a_killed_demo_leaves_no_worker_running_and_its_training_saved(tmp_path):
+    """`kill -9` of `blockgen demo` runs no cleanup in it; its worker processes notice their parent is gone, the
+    training among them stops at a step boundary and saves its checkpoint (rerunning resumes it), and nothing of the
+    demo is left running."""
+    out = tmp_path / "demo"
+    cmd = [PY, "-m", "blockgen.harness.cli", "demo", "--out-dir", str(out), "--presets", "ci-ar", "--train-only",
+           "--max-steps", "100000", "--jobs", "1"]
+    demo = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "ci-ar" / "metrics.jsonl"
+    deadline = time.monotonic() + HANG_S
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        assert demo.poll() is None and time.monotonic() < deadline, "the demo ended or never started training"
+        time.sleep(0.5)
+    workers = _children(demo.pid)
+    assert workers, "the demo runs its training in a worker process"
+    demo.send_signal(signal.SIGKILL)
+    demo.wait()
+    while any(Path(f"/proc/{w}").exists() and "(Z" not in Path(f"/proc/{w}/stat").read_text() for w in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived the demo"
+        time.sleep(0.5)
+    state = torch.load(out / "ci-ar" / "checkpoint" / TRAINING_STATE, weights_only=False)
+    assert 3 <= state["step"] < 100000  # saved where it stopped, not only at a save_every boundary

@@ -257,6 +257,38 @@ def test_cli_resume_says_where_it_resumed(workdir):
     assert f"resuming from step 2 of {out / 'checkpoint'}" in again.stdout.splitlines()
 
 
+def test_a_demo_model_trains_again_when_its_warm_start_parent_or_its_tokenizer_changed(tmp_path, monkeypatch):
+    """`blockgen demo` keeps a trained model by a record of what it depended on (`demo._training_key`): its
+    settings, the data as tokenized (the prepared cache's name) and the hash of the checkpoint it started from.
+    A retrained parent or another tokenizer rule changes the key, so the model is trained again instead of kept
+    (until 2026-11-29 only the settings were compared: a retrained `gsm-ar` left its mixtures stale)."""
+    from blockgen.harness import demo
+    from blockgen.harness.checkpoints.checkpoint import CONFIG, WEIGHTS
+    from blockgen.harness.data import sources
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / CONFIG).write_text("{}")
+    (parent / WEIGHTS).write_bytes(b"weights, first training")
+    data = replace(preset("ci").data, cache_dir=str(tmp_path / "data"))
+    child = replace(preset("ci"), init_from=str(parent), out_dir=str(tmp_path / "child"), data=data)
+    record = tmp_path / "child-record.json"
+    demo._write_record(record, demo._training_key(child), "sha of the child", {"train_seconds": 1.0})
+
+    def kept() -> bool:
+        return demo._fresh_record(record, demo._training_key(child), "sha of the child") is not None
+
+    assert kept()
+    (parent / WEIGHTS).write_bytes(b"weights, trained again")
+    assert not kept()
+    (parent / WEIGHTS).write_bytes(b"weights, first training")
+    assert kept()
+    monkeypatch.setattr(sources, "_splits_digits", lambda config: False)  # the plain BPE of before
+    demo._prepared_name.cache_clear()
+    assert not kept()
+    demo._prepared_name.cache_clear()
+
+
 def test_demo_command_end_to_end(tmp_path):
     """`blockgen demo` (the README's main job) on the CI preset: trains, sweeps the samplers in worker
     processes, writes a leaderboard whose bounds hold, plots and a page; a rerun redoes nothing.

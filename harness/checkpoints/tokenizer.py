@@ -31,13 +31,20 @@ class SpecialTokens:
         return cls(bos=d["bos"], eos=d["eos"], pad=d["pad"], sep=tuple(d["sep"]))
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path | None = None):
-    """Train a byte-level BPE on `texts` and wrap it as a Hugging Face fast tokenizer."""
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path | None = None, split_digits: bool = False):
+    """Train a byte-level BPE on `texts` and wrap it as a Hugging Face fast tokenizer.
+
+    `split_digits`: every digit is its own token (and the space before a number too), so a number is
+    spelled by the same ten tokens wherever it stands: "$48" and "= 48" share "4", "8", where a plain
+    BPE has "48" in one and " 48" in the other, two tokens a model must learn to map onto each other.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -276,18 +276,25 @@ def _local_tokenizer_texts(config: DataConfig) -> tuple[str, list[str]]:
     return config.source, list(document_split(config)[0])
 
 
+def _splits_digits(config: DataConfig) -> bool:
+    """The word problems' programs copy the question's numbers: one token per digit makes that a copy of the
+    same tokens (docs/results.md, "Copying numbers: digit tokens and half the learning rate")."""
+    return config.source == WORDPROBLEMS
+
+
 def local_tokenizer_dir(config: DataConfig) -> tuple[Path, list[str]]:
     """Where the local tokenizer of `config` is kept, and the text it trains on. The name hashes
     the training text, so a changed generator or corpus never reuses a stale tokenizer."""
     name, texts = _local_tokenizer_texts(config)
     digest = hashlib.sha256("\0".join(texts).encode()).hexdigest()[:12]
-    return Path(config.cache_dir) / f"tokenizer-{name}-{digest}-v{config.vocab_size}", texts
+    digits = "-digits" if _splits_digits(config) else ""
+    return Path(config.cache_dir) / f"tokenizer-{name}{digits}-{digest}-v{config.vocab_size}", texts
 
 
 def local_tokenizer(config: DataConfig):
     """A BPE trained locally on the source's training text, cached under cache_dir.
 
-    Word problems: questions and programs of generated training problems. Document sources: the
+    Word problems: questions and programs of generated training problems, one token per digit. Document sources: the
     training documents of `document_split`.
     """
     from transformers import PreTrainedTokenizerFast
@@ -295,7 +302,7 @@ def local_tokenizer(config: DataConfig):
     directory, texts = local_tokenizer_dir(config)
     if (directory / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    return train_bpe(texts, config.vocab_size, directory)
+    return train_bpe(texts, config.vocab_size, directory, split_digits=_splits_digits(config))
 
 
 def get_tokenizer(config: DataConfig):

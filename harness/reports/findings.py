@@ -348,7 +348,8 @@ def format_spread(rows: list[dict]) -> str:
         verdict = f"within {SPREAD_FACTOR:g}x" if row["within"] else f"OUTSIDE {SPREAD_FACTOR:g}x"
         if "excess" in row:
             verdict += f" (excess over the exact NLL: worst {row['excess_worst_ratio']:.2f}x its median)"
-        lines.append(f"{row['model']:<18} {''.join(f'{v:>9.4f}' for v in row['nll']):<{9 * r}} {row['median']:>8.4f} "
+        # three significant digits: a well-trained word-problem model's NLL is 1e-5 nats per token, not 0.0000
+        lines.append(f"{row['model']:<18} {''.join(f'{v:>9.3g}' for v in row['nll']):<{9 * r}} {row['median']:>8.3g} "
                      f"{row['worst_ratio']:>12.2f}x  {verdict}")
     return "\n".join(lines)
 
