@@ -255,25 +255,39 @@ def format_table(pooled: list[Pooled]) -> str:
     return "\n".join(lines)
 
 
+_AXIS_LABELS = {"exact_match": "A - B, points of accuracy (word problems)",
+                "invalid_pairs": "A - B, points of broken word pairs (synthetic language; negative: A breaks fewer)"}
+
+
 def plot(pooled: list[Pooled], path: Path) -> None:
-    """Forest plot: each run's paired difference (dots) and the pooled interval (bar) per finding."""
+    """Forest plot: each run's paired difference (dots) and the pooled interval (bar) per finding, one panel per
+    metric (accuracy and broken pairs are different units), findings in the table's order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 0.32 * len(pooled) + 1.2))
-    for i, p in enumerate(reversed(pooled)):
-        color = "tab:green" if p.verdict == "reproduced" else "tab:red" if p.verdict == "opposite resolved" else \
-            "tab:blue" if p.resolved else "tab:gray"
-        ax.plot([100 * p.low, 100 * p.high], [i, i], color=color, lw=3, alpha=0.6)
-        ax.scatter([100 * x["difference"] for x in p.runs], [i] * len(p.runs), color="black", s=10, zorder=3)
-    ax.axvline(0, color="black", lw=0.8)
-    ax.set_yticks(range(len(pooled)), [p.finding.name for p in reversed(pooled)], fontsize=7)
-    ax.set_xlabel("A - B, points of accuracy (language: of broken word pairs) (dots: runs; bar: 95% interval over runs)")
-    ax.set_title("Findings across training runs (green: as the paper, red: opposite, grey: unresolved)", fontsize=9)
+    panels: dict[str, list[Pooled]] = {}
+    for p in pooled:
+        panels.setdefault(p.finding.metric, []).append(p)
+    heights = [len(ps) for ps in panels.values()]
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False, figsize=(11, 0.3 * len(pooled) + 1.6 * len(panels) + 0.4),
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (metric, ps) in zip(axes[:, 0], panels.items()):
+        for i, p in enumerate(reversed(ps)):
+            color = "tab:green" if p.verdict == "reproduced" else "tab:red" if p.verdict == "opposite resolved" else \
+                "tab:blue" if p.resolved else "tab:gray"
+            ax.plot([100 * p.low, 100 * p.high], [i, i], color=color, lw=3, alpha=0.6)
+            ax.scatter([100 * x["difference"] for x in p.runs], [i] * len(p.runs), color="black", s=10, zorder=3)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_ylim(-0.7, len(ps) - 0.3)
+        ax.set_yticks(range(len(ps)), [p.finding.name for p in reversed(ps)], fontsize=7)
+        ax.set_xlabel(_AXIS_LABELS.get(metric, f"A - B, {metric} (x 100)"), fontsize=8)
+    axes[0, 0].set_title(f"Findings across {len(pooled[0].runs)} training runs: dots, each run's paired difference; bar, "
+                         "95% interval over runs\ngreen: resolved as the paper, red: resolved opposite, blue: resolved "
+                         "(no paper claim), grey: unresolved", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long finding names: the labels' own width, never cut
     plt.close(fig)
 
 
