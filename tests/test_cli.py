@@ -50,7 +50,7 @@ def test_every_subcommand_answers_help():
     expected = {("train",), ("demo",), ("presets",), ("gpu-check",), ("train-scorer",), ("sample",), ("prepare-data",),
                 ("hub-check",), ("train-cost",), ("import",), ("released",), ("released", "names"), ("released", "check"), ("released", "import"),
                 ("sweep",), ("regression", "check"), ("regression", "update"),
-                ("scorers", "check-vllm"), ("variants",)}
+                ("scorers", "check-vllm"), ("variants",), ("hub-standin",)}
     expected |= {("leaderboard", action) for action in ("add", "collect", "show", "plot", "page", "compare", "check")}
     assert expected <= set(paths), sorted(expected - set(paths))
     for path in paths:

@@ -1,0 +1,192 @@
+"""The online path against a hub on the loopback (harness/checkpoints/hub_standin.py): the real `blockgen import` of a
+release fetches its files and the gpt2 tokenizer over HTTP into a fresh hub cache, the hub's errors reach the user as
+the client's exceptions, and with the stand-in stopped the command fails instead of reaching anywhere else.
+
+The clients run in subprocesses with HF_ENDPOINT and HF_HOME set, as a user's shell sets them (huggingface_hub reads
+both once, at import). Each subprocess records every connection it opens; any address but the loopback is refused
+and fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from blockgen.harness.checkpoints.hub_standin import HubStandin, publish
+
+FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES_GPT2",
+                               Path(__file__).resolve().parents[2] / "shared/data/released-gpt2"))
+RELEASE = "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"  # a release subfolder of the fixtures
+needs_fixtures = pytest.mark.skipif(not (FIXTURES / RELEASE).is_dir(), reason=f"release fixtures not found at {FIXTURES}")
+TOKEN = "hf_standin_token"
+
+# Run a Python entry point with every connection recorded: one refused (and written to the log) unless it is to the loopback.
+GUARDED = """
+import socket, sys
+log, target = sys.argv[1], sys.argv[2]
+connect = socket.socket.connect
+def guarded(sock, address):
+    if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+        open(log, "a").write(repr(address) + "\\n")
+        raise OSError(f"refused by the test: a connection to {address}")
+    return connect(sock, address)
+socket.socket.connect = guarded
+sys.argv = sys.argv[2:]
+if target == "blockgen":
+    from blockgen.harness.cli import main
+    sys.exit(main(sys.argv[1:]))
+exec(compile(open(target).read(), target, "exec"))
+"""
+
+
+def _env(tmp_path: Path, endpoint: str, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) and k != "TRANSFORMERS_OFFLINE"}
+    return {**env, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "BLOCKGEN_RELEASE_CACHE": str(tmp_path / "release-cache"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+def _run(tmp_path: Path, env: dict, target: str, *args: str) -> subprocess.CompletedProcess:
+    log = tmp_path / "connections.log"
+    done = subprocess.run([sys.executable, "-c", GUARDED, str(log), target, *args], env=env, capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert not log.exists(), f"a connection left the loopback: {log.read_text()}"
+    return done
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """The stand-in with the release's files under their subfolder of jdeschena/blockgen and the gpt2 tokenizer."""
+    root = tmp_path / "hub"
+    publish(root, "models", "jdeschena/blockgen", {f"{RELEASE}/{n}": FIXTURES / RELEASE / n for n in ("config.json", "model.safetensors")})
+    publish(root, "models", "gpt2", {p.name: p for p in (FIXTURES / "tokenizer").iterdir()})
+    with HubStandin(root) as standin:
+        yield standin
+
+
+@needs_fixtures
+def test_blockgen_import_fetches_a_release_and_its_tokenizer_from_the_hub(hub, tmp_path):
+    """The real command online: the checkpoint it writes equals the one converted from the local fixture folder, the
+    hub cache holds the fixture's bytes, and with the stand-in stopped the same command runs from that cache offline."""
+    spec = f"hf:jdeschena/blockgen/{RELEASE}"
+    online = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", spec, "--tokenizer", "gpt2",
+                  "--out-dir", str(tmp_path / "online"))
+    assert online.returncode == 0, online.stderr
+    local = _run(tmp_path, _env(tmp_path, hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", str(FIXTURES / RELEASE),
+                 "--tokenizer", str(FIXTURES / "tokenizer"), "--out-dir", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr
+    a, b = load_file(tmp_path / "online" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert json.loads((tmp_path / "online" / "tokenizer.json").read_text()) == json.loads((tmp_path / "local" / "tokenizer.json").read_text())
+    cached = {p.name: p.read_bytes() for p in (tmp_path / "hf" / "hub").rglob("snapshots/*/**/model.safetensors")}
+    assert cached == {"model.safetensors": (FIXTURES / RELEASE / "model.safetensors").read_bytes()}
+
+    hub.stop()
+    again = _run(tmp_path, _env(tmp_path, hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", spec, "--tokenizer", "gpt2",
+                 "--out-dir", str(tmp_path / "offline"))
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "offline" / "model.safetensors").read_bytes() == (tmp_path / "online" / "model.safetensors").read_bytes()
+
+
+@needs_fixtures
+def test_the_hubs_answers_reach_the_user_as_the_clients_errors(hub, tmp_path):
+    """What is not there, a revision that does not exist and a gated repository: each the exception huggingface_hub
+    raises against the real hub, and `blockgen import` of a missing release one line with the file and the offline fix."""
+    publish(hub.root, "models", "org/gated", {"config.json": b"{}"}, token=TOKEN)
+    script = tmp_path / "errors.py"
+    script.write_text(
+        "import json, sys\n"
+        "from huggingface_hub import hf_hub_download\n"
+        "out = {}\n"
+        "for case, kwargs in [('file', dict(repo_id='gpt2', filename='absent.json')),\n"
+        "                     ('revision', dict(repo_id='gpt2', filename='vocab.json', revision='no-such-branch')),\n"
+        "                     ('repo', dict(repo_id='nobody/nothing', filename='config.json')),\n"
+        "                     ('gated', dict(repo_id='org/gated', filename='config.json')),\n"
+        "                     ('wrong token', dict(repo_id='org/gated', filename='config.json', token='hf_wrong')),\n"
+        f"                     ('token', dict(repo_id='org/gated', filename='config.json', token='{TOKEN}'))]:\n"
+        "    try:\n"
+        "        out[case] = open(hf_hub_download(**kwargs)).read()\n"
+        "    except Exception as err:\n"
+        "        out[case] = type(err).__name__\n"
+        "print(json.dumps(out))\n")
+    done = _run(tmp_path, _env(tmp_path, hub.endpoint), str(script))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "file": "RemoteEntryNotFoundError", "revision": "RevisionNotFoundError", "repo": "RepositoryNotFoundError",
+        "gated": "GatedRepoError", "wrong token": "GatedRepoError", "token": "{}"}
+    missing = "blockgen/single_block_size/16/owt/absorb"
+    absent = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{missing}")
+    assert absent.returncode == 1 and len(absent.stderr.strip().splitlines()) == 1, absent.stderr
+    assert "EntryNotFoundError" in absent.stderr and f"--include '{missing}/*'" in absent.stderr and "make demo" in absent.stderr
+
+
+@needs_fixtures
+def test_with_the_standin_stopped_a_download_fails_and_reaches_nowhere_else(hub, tmp_path):
+    """The hub stopped mid-session: `blockgen import` ends with the offline fix, and (the guard of `_run`) no connection
+    went anywhere but the loopback. About 25 s: huggingface_hub retries a refused connection five times with backoff
+    before giving up, the wait a user sees too."""
+    hub.stop()
+    done = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{RELEASE}", "--tokenizer", "gpt2")
+    assert done.returncode == 1, done.stderr
+    assert "could not fetch" in done.stderr and "make demo" in done.stderr
+
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.json"
+# openai/gsm8k's README front matter: the configs and their data files, as on the hub (the train split left out)
+GSM8K_CARD = b"""---
+configs:
+- config_name: main
+  data_files:
+  - split: test
+    path: main/test-*
+---
+"""
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason=f"GSM8K's test split not found at {GSM8K}")
+def test_gsm8k_code_loads_gsm8k_from_the_hub_as_parquet(tmp_path):
+    """`datasets.load_dataset("openai/gsm8k", "main", split="test")`, the task's own loader, online: the README's configs,
+    the tree listing and the parquet shard over HTTP give the same 1,319 rows as the local copy."""
+    import pandas as pd
+
+    rows = json.loads(GSM8K.read_text())
+    shard = tmp_path / "test.parquet"
+    pd.DataFrame({"question": [r["prompt"] for r in rows], "answer": [r["response_ground_truth"] for r in rows]}).to_parquet(shard)
+    root = tmp_path / "hub"
+    publish(root, "datasets", "openai/gsm8k", {"README.md": GSM8K_CARD, "main/test-00000-of-00001.parquet": shard})
+    script = tmp_path / "load.py"
+    checkpoint = Path(__file__).resolve().parents[1] / "leaderboards/ci_gsm8k/gsm-masked-mix/checkpoint"  # its tokenizer builds prompts
+    script.write_text("import json, sys\nfrom blockgen.tasks.gsm8k_code import load_gsm8k\n"
+                      "test = load_gsm8k(pretrained=sys.argv[1])['test']\n"
+                      "print(json.dumps([test[0]['question'], test[len(test) - 1]['answer'], len(test)]))\n")
+    with HubStandin(root) as hub:
+        done = _run(tmp_path, _env(tmp_path, hub.endpoint), str(script), str(checkpoint))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [rows[0]["prompt"], rows[-1]["response_ground_truth"], 1319]
+
+
+def test_blockgen_hub_standin_prints_its_endpoint_and_serves_a_folder(tmp_path):
+    """The command a user starts by hand: one `export HF_ENDPOINT=...` line, then the repositories under --root."""
+    import urllib.request
+
+    publish(tmp_path / "hub", "datasets", "openai/gsm8k", {"main/test.jsonl": b'{"question": "1+1?"}\n'})
+    server = subprocess.Popen([sys.executable, "-m", "blockgen.harness.cli", "hub-standin", "--root", str(tmp_path / "hub")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline().strip()
+        assert line.startswith("export HF_ENDPOINT=http://127.0.0.1:"), line
+        endpoint = line.split("=", 1)[1]
+        with urllib.request.urlopen(f"{endpoint}/api/datasets/openai/gsm8k") as answer:
+            info = json.loads(answer.read())
+        assert info["id"] == "openai/gsm8k" and [s["rfilename"] for s in info["siblings"]] == ["main/test.jsonl"]
+        with urllib.request.urlopen(f"{endpoint}/datasets/openai/gsm8k/resolve/main/main/test.jsonl") as answer:
+            assert answer.read() == b'{"question": "1+1?"}\n'
+    finally:
+        server.terminate()
+        server.wait()
+
