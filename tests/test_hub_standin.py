@@ -170,8 +170,41 @@ def test_gsm8k_code_loads_gsm8k_from_the_hub_as_parquet(tmp_path):
     assert json.loads(done.stdout.splitlines()[-1]) == [rows[0]["prompt"], rows[-1]["response_ground_truth"], 1319]
 
 
+@needs_fixtures
+def test_openwebtext_is_read_from_the_hubs_parquet_export_online(tmp_path):
+    """`Skylion007/openwebtext` at `refs/convert/parquet` (`plain_text/train/NNNN.parquet`, as the hub's converter lays it
+    out): `blockgen hub-check --presets owt-ar` finds its files and gpt2's tokenizer, and training's document split reads
+    the shards in order, the last documents held out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"Document {i}. " + "words " * (i % 7 + 1) for i in range(60)]
+    shards = [tmp_path / "0000.parquet", tmp_path / "0001.parquet"]
+    pq.write_table(pa.table({"text": docs[:35]}), shards[0])
+    pq.write_table(pa.table({"text": docs[35:]}), shards[1])
+    root = tmp_path / "hub"
+    publish(root, "models", "gpt2", {p.name: p for p in (FIXTURES / "tokenizer").iterdir()})
+    script = tmp_path / "split.py"
+    script.write_text("import json\nfrom blockgen.harness.data import sources\n"
+                      "sources.OWT_VALIDATION_DOCS = 10  # the authors hold out the last 100k of 8M documents\n"
+                      "train, held_out = sources.document_split(sources.DataConfig(source='owt'))\n"
+                      "print(json.dumps([list(train), list(held_out)]))\n")
+    with HubStandin(root) as hub:
+        absent = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "hub-check", "--presets", "owt-ar")
+        assert absent.returncode == 1 and "Skylion007/openwebtext" in absent.stderr, absent.stderr
+        publish(root, "datasets", "Skylion007/openwebtext", {f"plain_text/train/{p.name}": p for p in shards},
+                revision="refs/convert/parquet")
+        check = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "hub-check", "--presets", "owt-ar")
+        assert check.returncode == 0, check.stderr
+        done = _run(tmp_path, _env(tmp_path, hub.endpoint), str(script))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [docs[:50], docs[50:]]
+
+
 def test_blockgen_hub_standin_prints_its_endpoint_and_serves_a_folder(tmp_path):
-    """The command a user starts by hand: one `export HF_ENDPOINT=...` line, then the repositories under --root."""
+    """The command a user starts by hand: one `export HF_ENDPOINT=...` line, then the repositories under --root, and
+    nothing outside it however the path is spelled."""
+    import urllib.error
     import urllib.request
 
     publish(tmp_path / "hub", "datasets", "openai/gsm8k", {"main/test.jsonl": b'{"question": "1+1?"}\n'})
@@ -186,6 +219,11 @@ def test_blockgen_hub_standin_prints_its_endpoint_and_serves_a_folder(tmp_path):
         assert info["id"] == "openai/gsm8k" and [s["rfilename"] for s in info["siblings"]] == ["main/test.jsonl"]
         with urllib.request.urlopen(f"{endpoint}/datasets/openai/gsm8k/resolve/main/main/test.jsonl") as answer:
             assert answer.read() == b'{"question": "1+1?"}\n'
+        (tmp_path / "secret.txt").write_text("outside the served folder")
+        for escape in ("main/../../../../../secret.txt", "main/..%2F..%2F..%2F..%2F..%2Fsecret.txt", "..%2F..%2F../resolve/x"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{endpoint}/datasets/openai/gsm8k/resolve/{escape}")
+            assert refused.value.code == 404
     finally:
         server.terminate()
         server.wait()

@@ -14,7 +14,7 @@ hf-local-hub 3.0.0 ships only a client for a Go server that is not on the index.
 evaluation. This module is the standard library's HTTP server and what the clients read, nothing more.
 
 Layout (`publish` writes it): ROOT/{models,datasets}/<org>--<name>/<revision>/<files>, one folder per branch or
-tag; a revision's commit hash is a hash of its files, so it changes with them. A file `.gated` beside the
+tag (its name URL-quoted: `refs%2Fconvert%2Fparquet`); a revision's commit hash is a hash of its files, so it changes with them. A file `.gated` beside the
 revision folders holds the one token the repository accepts.
 
     blockgen hub-standin --root runs/hub     # prints `export HF_ENDPOINT=http://127.0.0.1:PORT`, serves until Ctrl-C
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 KINDS = ("models", "datasets")
 GATED_FILE = ".gated"
@@ -60,16 +60,20 @@ class Repo:
         return self.root / self.kind / self.repo_id.replace("/", "--")
 
     def revisions(self) -> list[str]:
-        return sorted(p.name for p in self.directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(unquote(p.name) for p in self.directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def tree(self, revision: str) -> Path:
+        """A revision's files; a name with slashes (`refs/convert/parquet`, the parquet export) is one folder."""
+        return self.directory / quote(revision, safe="")
 
     def files(self, revision: str) -> list[str]:
-        base = self.directory / revision
+        base = self.tree(revision)
         return sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
 
     def commit(self, revision: str) -> str:
         digest = hashlib.sha1(f"{self.kind}/{self.repo_id}@{revision}".encode())
         for name in self.files(revision):
-            digest.update(f"{name}\0{_blob_sha(self.directory / revision / name)}\0".encode())
+            digest.update(f"{name}\0{_blob_sha(self.tree(revision) / name)}\0".encode())
         return digest.hexdigest()
 
     def find_revision(self, revision: str) -> str | None:
@@ -84,7 +88,7 @@ class Repo:
         return gated.read_text().strip() if gated.is_file() else None
 
     def entry(self, revision: str, path: str) -> dict:
-        full = self.directory / revision / path
+        full = self.tree(revision) / path
         if full.is_dir():
             return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
         return {"type": "file", "oid": _blob_sha(full), "size": full.stat().st_size, "path": path}
@@ -97,7 +101,7 @@ def publish(root: str | Path, kind: str, repo_id: str, files: dict[str, str | Pa
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: choose from {list(KINDS)}")
     repo = Repo(Path(root), kind, repo_id)
-    base = repo.directory / revision
+    base = repo.tree(revision)
     for name, content in files.items():
         target = base / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self) -> None:
         url = urlsplit(self.path)
         parts = [unquote(p) for p in url.path.split("/") if p]
+        if any(".." in p.split("/") for p in parts):  # nothing outside the served folder, however it is spelled
+            return self._error(404, "EntryNotFound", f"no such page: {url.path}")
         if len(parts) >= 3 and parts[0] == "api" and parts[1] in KINDS:
             return self._api(parts[1], parts[2:], parse_qs(url.query))
         kind = "models"
@@ -178,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     "gated": "manual" if repo.token() else False, "disabled": False, "tags": [],
                                     "lastModified": "2026-01-01T00:00:00.000Z", "cardData": {},
                                     "siblings": [{"rfilename": f} for f in repo.files(revision)]})
-        base = repo.directory / revision
+        base = repo.tree(revision)
         if action == "tree":
             sub = "/".join(tail[1:])
             if not (base / sub).is_dir():
@@ -196,8 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
         if opened is None:
             return None
         repo, folder = opened
-        full = repo.directory / folder / path
-        if ".." in path.split("/") or not full.is_file():
+        full = repo.tree(folder) / path
+        if not full.is_file():
             # with the revision's commit, as the hub answers: the client then caches "not there" for offline runs
             return self._error(404, "EntryNotFound", f"{path} does not exist on {revision!r} of {repo_id}",
                                {"X-Repo-Commit": repo.commit(folder)})
