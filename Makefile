@@ -8,7 +8,7 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env browser demo demo-seeds sweep test test-unprivileged bench gpu-check clean prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
+.PHONY: help setup vllm-env browser demo demo-seeds sweep test test-unprivileged bench gpu-check clean hub-standin prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
 	ci-pipeline regression-check regression-update regression-gsm8k-check regression-gsm8k-update eval-released-owt eval-released-gsm8k hub-check-released
 
 help:
@@ -36,6 +36,8 @@ help:
 	@echo "  eval-released-gsm8k eval-gsm8k's grid on the released TinyGSM checkpoints -> $(LEADERBOARD_RELEASED_GSM)"
 	@echo "                 DRY_RUN=1: print one line per setting and the derived H200-hours, run nothing"
 	@echo "  hub-check-released  exit 1 unless the hub (or BLOCKGEN_RELEASE_DIR) has the releases MODELS_*_RELEASED name"
+	@echo "  hub-standin    a Hugging Face hub on 127.0.0.1 serving tiny repositories of the real ids from HUB_ROOT=$(HUB_ROOT)"
+	@echo "                 (RELEASE_FIXTURES=<dir with released/, released-gpt2/>: also jdeschena/blockgen); prints the HF_ENDPOINT to export"
 	@echo "  ci-pipeline    the CI's small offline OWT pipeline into an empty CI_RUNS=$(CI_RUNS) (.ci/run)"
 	@echo "  regression-check   its leaderboard against $(CI_REFERENCE); exit 1 past a tolerance"
 	@echo "  regression-update  rerun ci-pipeline (FROM=<RUNS folder>: take that folder's) and rewrite $(CI_REFERENCE)"
@@ -391,6 +393,13 @@ define released_board
 	$(foreach m,$(2),$(BLOCKGEN) leaderboard add $$(find $(RUNS)/results/released/$(1)-$(m) -name 'results_*.json' | sort) --to $(3) --model $(call release_spec,$(1)-$(m))
 	)$(BLOCKGEN) leaderboard show $(3) --best
 endef
+
+# The online path without the hub: tiny repositories under the real ids (harness/checkpoints/hub_standin_repos.py),
+# served until Ctrl-C; export the printed HF_ENDPOINT in another shell (docs/pipeline.md, "A hub on the loopback").
+HUB_ROOT ?= runs/hub
+RELEASE_FIXTURES ?=
+hub-standin: setup
+	$(BLOCKGEN) hub-standin --root $(HUB_ROOT) --write-tiny-repos $(if $(RELEASE_FIXTURES),--release-fixtures $(RELEASE_FIXTURES))
 
 hub-check-released: setup
 	$(BLOCKGEN) released check $(addprefix owt-,$(MODELS_OWT_RELEASED)) $(addprefix tinygsm-,$(MODELS_GSM_RELEASED)) --hint "$(released_hint)"

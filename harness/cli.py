@@ -23,7 +23,7 @@
 
 Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
 and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, paper_variants.py; harness/reports/:
-regression.py, leaderboard_command.py; harness/checkpoints/release_catalogue.py, hub_standin.py).
+regression.py, leaderboard_command.py; harness/checkpoints/release_catalogue.py; harness/data/hub_standin_repos.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Literal, get_args, get_origin
 
 from blockgen.harness.reports import curves, leaderboard, leaderboard_command, regression
-from blockgen.harness.checkpoints import hub_standin, release_catalogue
+from blockgen.harness.checkpoints import release_catalogue
+from blockgen.harness.data import hub_standin_repos
 from blockgen.harness.evaluation import sample, paper_variants, sweep, vllm_server
 from blockgen.harness.data.sources import LOCAL_TOKENIZER
 from blockgen.harness.demo import DemoConfig
@@ -146,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
     hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
-    hub_standin.build_parser(_mounted(sub, "hub-standin", "a Hugging Face hub on 127.0.0.1 serving local folders (prints the HF_ENDPOINT)",
-                                      hub_standin.__doc__))
+    hub_standin_repos.build_parser(_mounted(sub, "hub-standin", "a Hugging Face hub on 127.0.0.1 serving local folders (prints the HF_ENDPOINT)",
+                                            hub_standin_repos.COMMAND_HELP))
     release_catalogue.add_import_arguments(_mounted(sub, "import", "convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
                                            "Convert the paper's released checkpoints once into checkpoint folders (cached)."))
     release_catalogue.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
@@ -280,7 +281,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
     "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
     "leaderboard": leaderboard_command.run, "regression": regression.run, "scorers": vllm_server.run,
-    "variants": paper_variants.run, "curves": curves.main, "hub-standin": hub_standin.run,
+    "variants": paper_variants.run, "curves": curves.main, "hub-standin": hub_standin_repos.run,
 }
 
 

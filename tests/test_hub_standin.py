@@ -201,6 +201,48 @@ def test_openwebtext_is_read_from_the_hubs_parquet_export_online(tmp_path):
     assert json.loads(done.stdout.splitlines()[-1]) == [docs[:50], docs[50:]]
 
 
+@needs_fixtures
+def test_the_tiny_hub_serves_what_a_full_scale_run_loads(tmp_path):
+    """`write_tiny_hub` (hub_standin_repos.py) under the real ids: the Makefile's pre-flight `blockgen hub-check` of the
+    OWT and TinyGSM presets and the scorer passes; the datasets load through the project's loaders, the tokenizers and
+    GPT-2 Large's architecture through transformers, and releases of both tokenizer layouts convert with the hub's
+    tokenizers (no --tokenizer)."""
+    from blockgen.harness.data.hub_standin_repos import write_tiny_hub
+
+    root = tmp_path / "hub"
+    assert write_tiny_hub(root, FIXTURES.parent) == ["Skylion007/openwebtext", "TinyGSM/TinyGSM", "openai/gsm8k", "gpt2",
+                                                     "gpt2-large", "HuggingFaceTB/SmolLM-135M", "jdeschena/blockgen"]
+    checkpoint = Path(__file__).resolve().parents[1] / "leaderboards/ci_gsm8k/gsm-masked-mix/checkpoint"
+    script = tmp_path / "load.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from blockgen.harness.data import sources\n"
+        "from blockgen.tasks.gsm8k_code import load_gsm8k\n"
+        "scorer = AutoModelForCausalLM.from_pretrained('gpt2-large')\n"
+        "gpt2, smollm = AutoTokenizer.from_pretrained('gpt2'), AutoTokenizer.from_pretrained('HuggingFaceTB/SmolLM-135M')\n"
+        "logits = scorer(torch.tensor([gpt2.encode('The cat sat.')])).logits\n"
+        "tinygsm = sources.load_rows(sources.DataConfig(source='tinygsm'))\n"
+        "sources.OWT_VALIDATION_DOCS = 10\n"
+        "train, held_out = sources.document_split(sources.DataConfig(source='owt'))\n"
+        "print(json.dumps({'scorer': type(scorer).__name__, 'logits': logits.shape[-1], 'gpt2': [len(gpt2), gpt2.eos_token],\n"
+        "                  'smollm': [len(smollm), smollm.vocab_size, smollm.pad_token], 'tinygsm': [len(tinygsm), sorted(tinygsm.column_names)],\n"
+        "                  'gsm8k': len(load_gsm8k(pretrained=sys.argv[1])['test']), 'owt': [len(train), len(held_out)]}))\n")
+    with HubStandin(root) as hub:
+        env = _env(tmp_path, hub.endpoint)
+        check = _run(tmp_path, env, "blockgen", "hub-check", "--presets", "owt-ar", "tinygsm-masked-mix", "--models", "gpt2-large")
+        assert check.returncode == 0, check.stderr
+        loaded = _run(tmp_path, env, str(script), str(checkpoint))
+        assert loaded.returncode == 0, loaded.stderr
+        imported = _run(tmp_path, env, "blockgen", "import", "owt-masked-mix", "tinygsm-masked-mix")
+        assert imported.returncode == 0, imported.stderr
+    got = json.loads(loaded.stdout.splitlines()[-1])
+    assert got.pop("owt")[1] == 10 and got == {
+        "scorer": "GPT2LMHeadModel", "logits": 120, "gpt2": [120, "<|endoftext|>"], "smollm": [64, 64, "<pad>"],
+        "tinygsm": [512, ["code", "question"]], "gsm8k": 64}
+    assert len(imported.stdout.split()) == 2 and all((Path(p) / "model.safetensors").is_file() for p in imported.stdout.split())
+
+
 def test_blockgen_hub_standin_prints_its_endpoint_and_serves_a_folder(tmp_path):
     """The command a user starts by hand: one `export HF_ENDPOINT=...` line, then the repositories under --root, and
     nothing outside it however the path is spelled."""
@@ -228,3 +270,34 @@ def test_blockgen_hub_standin_prints_its_endpoint_and_serves_a_folder(tmp_path):
         server.terminate()
         server.wait()
 
+
+
+def test_make_hub_standins_command_writes_the_tiny_repositories_without_fixtures(tmp_path):
+    """`blockgen hub-standin --write-tiny-repos` (what `make hub-standin` runs) on a machine without the release fixtures:
+    every repository but the releases, gpt2's tokenizer a byte-level BPE in GPT-2's files with its one special token."""
+    import urllib.request
+
+    server = subprocess.Popen([sys.executable, "-m", "blockgen.harness.cli", "hub-standin", "--root", str(tmp_path / "hub"),
+                               "--write-tiny-repos"], stdout=subprocess.PIPE, text=True)
+    try:
+        wrote, export = server.stdout.readline(), server.stdout.readline().strip()
+        assert wrote.startswith("# wrote Skylion007/openwebtext, TinyGSM/TinyGSM, openai/gsm8k, gpt2, gpt2-large, "
+                                "HuggingFaceTB/SmolLM-135M under"), wrote
+        endpoint = export.split("=", 1)[1]
+        with urllib.request.urlopen(f"{endpoint}/api/models/gpt2/revision/main") as answer:
+            files = {s["rfilename"] for s in json.loads(answer.read())["siblings"]}
+        assert {"vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"} <= files
+        with urllib.request.urlopen(f"{endpoint}/gpt2/resolve/main/tokenizer_config.json") as answer:
+            config = json.loads(answer.read())
+        assert config["eos_token"] == config["bos_token"] == "<|endoftext|>" and config.get("pad_token") is None
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_hub_standin_refuses_a_fixtures_folder_without_the_release_layouts(tmp_path):
+    """A wrong --release-fixtures is one line naming the folders it lacks, before any repository is written."""
+    done = subprocess.run([sys.executable, "-m", "blockgen.harness.cli", "hub-standin", "--root", str(tmp_path / "hub"),
+                           "--write-tiny-repos", "--release-fixtures", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert str(tmp_path / "released-gpt2") in done.stderr and not (tmp_path / "hub").exists()

@@ -63,21 +63,10 @@ def release_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tok64(tmp_path_factory) -> Path:
     """A 64-token character tokenizer with its own pad token: vocab_size == len == 64, as the fixtures'
-    SmolLM-like one (absorb / mdlm / ar models then have 65 rows, uniform / duo 64)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    SmolLM-like one (absorb / mdlm / ar models then have 65 rows, uniform / duo 64); the hub stand-in serves it as SmolLM's."""
+    from blockgen.harness.data.hub_standin_repos import smollm_like_tokenizer
 
-    specials = ["<bos>", "<eos>", "<pad>", "<unk>"]
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!'-:;\n=+*/()ABCDEFGH")
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    assert len(vocab) == 64
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    out = tmp_path_factory.mktemp("tok64")
-    fast.save_pretrained(str(out))
-    return out
+    return smollm_like_tokenizer(tmp_path_factory.mktemp("tok64"))
 
 
 @pytest.fixture(scope="session")

@@ -18,11 +18,11 @@ tag (its name URL-quoted: `refs%2Fconvert%2Fparquet`); a revision's commit hash 
 revision folders holds the one token the repository accepts.
 
     blockgen hub-standin --root runs/hub     # prints `export HF_ENDPOINT=http://127.0.0.1:PORT`, serves until Ctrl-C
+                                             # (the command: harness/data/hub_standin_repos.py, which also writes repositories)
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -269,24 +269,3 @@ class HubStandin:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--root", required=True, help="the repositories' folder (ROOT/{models,datasets}/<org>--<name>/<revision>/)")
-    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: a free one)")
-
-
-def run(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    if not root.is_dir():
-        raise SystemExit(f"blockgen hub-standin: {root} is not a folder; it holds {'/'.join(KINDS)}/<org>--<name>/<revision>/")
-    hub = HubStandin(root, args.port)
-    print(f"export HF_ENDPOINT={hub.endpoint}", flush=True)
-    hub.start()
-    try:
-        threading.Event().wait()  # until Ctrl-C or SIGTERM
-    except KeyboardInterrupt:
-        pass
-    finally:
-        hub.stop()
-    return 0
