@@ -60,7 +60,7 @@ def _run(tmp_path: Path, env: dict, target: str, *args: str) -> subprocess.Compl
 
 
 @pytest.fixture
-def hub(tmp_path):
+def release_hub(tmp_path):
     """The stand-in with the release's files under their subfolder of jdeschena/blockgen and the gpt2 tokenizer."""
     root = tmp_path / "hub"
     publish(root, "models", "jdeschena/blockgen", {f"{RELEASE}/{n}": FIXTURES / RELEASE / n for n in ("config.json", "model.safetensors")})
@@ -70,14 +70,14 @@ def hub(tmp_path):
 
 
 @needs_fixtures
-def test_blockgen_import_fetches_a_release_and_its_tokenizer_from_the_hub(hub, tmp_path):
+def test_blockgen_import_fetches_a_release_and_its_tokenizer_from_the_hub(release_hub, tmp_path):
     """The real command online: the checkpoint it writes equals the one converted from the local fixture folder, the
     hub cache holds the fixture's bytes, and with the stand-in stopped the same command runs from that cache offline."""
     spec = f"hf:jdeschena/blockgen/{RELEASE}"
-    online = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", spec, "--tokenizer", "gpt2",
+    online = _run(tmp_path, _env(tmp_path, release_hub.endpoint), "blockgen", "import", spec, "--tokenizer", "gpt2",
                   "--out-dir", str(tmp_path / "online"))
     assert online.returncode == 0, online.stderr
-    local = _run(tmp_path, _env(tmp_path, hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", str(FIXTURES / RELEASE),
+    local = _run(tmp_path, _env(tmp_path, release_hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", str(FIXTURES / RELEASE),
                  "--tokenizer", str(FIXTURES / "tokenizer"), "--out-dir", str(tmp_path / "local"))
     assert local.returncode == 0, local.stderr
     a, b = load_file(tmp_path / "online" / "model.safetensors"), load_file(tmp_path / "local" / "model.safetensors")
@@ -86,18 +86,18 @@ def test_blockgen_import_fetches_a_release_and_its_tokenizer_from_the_hub(hub, t
     cached = {p.name: p.read_bytes() for p in (tmp_path / "hf" / "hub").rglob("snapshots/*/**/model.safetensors")}
     assert cached == {"model.safetensors": (FIXTURES / RELEASE / "model.safetensors").read_bytes()}
 
-    hub.stop()
-    again = _run(tmp_path, _env(tmp_path, hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", spec, "--tokenizer", "gpt2",
+    release_hub.stop()
+    again = _run(tmp_path, _env(tmp_path, release_hub.endpoint, HF_HUB_OFFLINE="1"), "blockgen", "import", spec, "--tokenizer", "gpt2",
                  "--out-dir", str(tmp_path / "offline"))
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "offline" / "model.safetensors").read_bytes() == (tmp_path / "online" / "model.safetensors").read_bytes()
 
 
 @needs_fixtures
-def test_the_hubs_answers_reach_the_user_as_the_clients_errors(hub, tmp_path):
+def test_the_hubs_answers_reach_the_user_as_the_clients_errors(release_hub, tmp_path):
     """What is not there, a revision that does not exist and a gated repository: each the exception huggingface_hub
     raises against the real hub, and `blockgen import` of a missing release one line with the file and the offline fix."""
-    publish(hub.root, "models", "org/gated", {"config.json": b"{}"}, token=TOKEN)
+    publish(release_hub.root, "models", "org/gated", {"config.json": b"{}"}, token=TOKEN)
     script = tmp_path / "errors.py"
     script.write_text(
         "import json, sys\n"
@@ -114,24 +114,24 @@ def test_the_hubs_answers_reach_the_user_as_the_clients_errors(hub, tmp_path):
         "    except Exception as err:\n"
         "        out[case] = type(err).__name__\n"
         "print(json.dumps(out))\n")
-    done = _run(tmp_path, _env(tmp_path, hub.endpoint), str(script))
+    done = _run(tmp_path, _env(tmp_path, release_hub.endpoint), str(script))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "file": "RemoteEntryNotFoundError", "revision": "RevisionNotFoundError", "repo": "RepositoryNotFoundError",
         "gated": "GatedRepoError", "wrong token": "GatedRepoError", "token": "{}"}
     missing = "blockgen/single_block_size/16/owt/absorb"
-    absent = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{missing}")
+    absent = _run(tmp_path, _env(tmp_path, release_hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{missing}")
     assert absent.returncode == 1 and len(absent.stderr.strip().splitlines()) == 1, absent.stderr
     assert "EntryNotFoundError" in absent.stderr and f"--include '{missing}/*'" in absent.stderr and "make demo" in absent.stderr
 
 
 @needs_fixtures
-def test_with_the_standin_stopped_a_download_fails_and_reaches_nowhere_else(hub, tmp_path):
+def test_with_the_standin_stopped_a_download_fails_and_reaches_nowhere_else(release_hub, tmp_path):
     """The hub stopped mid-session: `blockgen import` ends with the offline fix, and (the guard of `_run`) no connection
     went anywhere but the loopback. About 25 s: huggingface_hub retries a refused connection five times with backoff
     before giving up, the wait a user sees too."""
-    hub.stop()
-    done = _run(tmp_path, _env(tmp_path, hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{RELEASE}", "--tokenizer", "gpt2")
+    release_hub.stop()
+    done = _run(tmp_path, _env(tmp_path, release_hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{RELEASE}", "--tokenizer", "gpt2")
     assert done.returncode == 1, done.stderr
     assert "could not fetch" in done.stderr and "make demo" in done.stderr
 

@@ -86,13 +86,17 @@ def locate(pretrained: str | Path) -> tuple[Path, str]:
     local = os.environ.get(LOCAL_DIR_ENV)
     if local and all((Path(local) / subfolder / n).is_file() for n in (CONFIG, WEIGHTS)):
         return Path(local) / subfolder, text
-    try:
-        from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
 
-        paths = [hf_hub_download(repo, name, subfolder=subfolder) for name in (CONFIG, WEIGHTS)]
-    except Exception as err:  # offline, DNS, 404, a missing cache entry under HF_HUB_OFFLINE=1
-        reason = " ".join(str(err).split())  # hub errors span lines: the message stays one
-        raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__}: {reason})") from err
+    paths = []
+    for name in (CONFIG, WEIGHTS):
+        try:
+            paths.append(hf_hub_download(repo, name, subfolder=subfolder))
+        except Exception as err:  # offline, DNS, 404, a timeout, a missing cache entry under HF_HUB_OFFLINE=1
+            reason = " ".join(str(err).split())  # hub errors span lines: the message stays one
+            # the client's own message may be as short as "timed out": say which file, from where
+            raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__} fetching "
+                                      f"{subfolder}/{name} from {constants.ENDPOINT}: {reason})") from err
     return Path(paths[0]).parent, text
 
 
