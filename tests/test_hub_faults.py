@@ -169,17 +169,21 @@ def test_blockgen_import_survives_a_dropped_connection_and_a_busy_metadata_answe
 
 
 @needs_fixtures
-def test_blockgen_import_does_not_retry_a_500_on_the_weights(release_hub, tmp_path):
-    """`locate` calls hf_hub_download once per file, outside `hub_call` (a shortfall: issue 46 expects a 5xx retried):
-    one 500 on the weights' GET ends the import with the offline fix, the file and the endpoint."""
+def test_blockgen_import_asks_again_after_a_500_then_a_503_on_the_weights(release_hub, tmp_path):
+    """huggingface_hub retries a download's GET on 408 and 429 only; `blockgen import` asks again after a 5xx
+    (`hub_call` with `answered_busy`, 2 s then 4 s): a 500 then a 503 on the weights, and the import completes, each
+    retry one warning line naming the file and the endpoint."""
     weights = f"{RELEASE}/model.safetensors"
-    with FaultProxy(release_hub.endpoint, [Status(path=weights, method="GET", status=500)]) as proxy:
+    faults = [Status(path=weights, method="GET", status=500), Status(path=weights, method="GET", status=503)]
+    with FaultProxy(release_hub.endpoint, faults) as proxy:
         done = blockgen_import(tmp_path, proxy.endpoint)
-    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "could not fetch" in done.stderr and "make demo" in done.stderr
-    assert (f"(HfHubHTTPError fetching {weights} from {proxy.endpoint}: Server error '500 Internal Server Error' for url "
-            f"'{proxy.endpoint}/jdeschena/blockgen/resolve/main/{weights}'") in done.stderr
-    assert [c[:2] for c in calls(proxy, weights)] == [("HEAD", 200), ("GET", 500)]
+    assert done.returncode == 0, done.stderr
+    retries = [line for line in done.stderr.splitlines() if "trying again in" in line]
+    assert len(retries) == 2 and all(f"{weights} from {proxy.endpoint}: HfHubHTTPError" in line for line in retries), done.stderr
+    assert "500 Internal Server Error" in retries[0] and "(try 2 of 3)" in retries[0] and "503" in retries[1]
+    assert [c[:2] for c in calls(proxy, weights)] == [("HEAD", 200), ("GET", 500), ("HEAD", 200), ("GET", 503), ("HEAD", 200), ("GET", 200)]
+    cached = [p.read_bytes() for p in (tmp_path / "hf" / "hub").rglob("snapshots/*/**/model.safetensors")]
+    assert cached == [(FIXTURES / RELEASE / "model.safetensors").read_bytes()]
 
 
 @needs_fixtures

@@ -9,6 +9,7 @@ request itself, about 20 s, so an unreachable hub is declared after about a minu
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -69,19 +70,41 @@ def _endpoint_resolves() -> bool:
         return False
 
 
-def hub_call(load: Callable[[], T], what: str, hint: str = OFFLINE_HINT, tries: int = HUB_TRIES) -> T:
+def answered_busy(err: BaseException | None) -> bool:
+    """The hub answered, with a server error or "too many requests" (5xx, 429): worth asking again. Narrower than
+    `_transient`, for calls whose client has already retried a connection that failed (huggingface_hub's downloads)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, HfHubHTTPError):
+            status = getattr(err.response, "status_code", None)
+            return status is not None and (status >= 500 or status == 429)
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def hub_call(load: Callable[[], T], what: str, hint: str = OFFLINE_HINT, tries: int = HUB_TRIES,
+             retry_if: Callable[[BaseException], bool] | None = None) -> T:
     """Run a loader that may touch the hub, up to `tries` times with exponential backoff while the
-    failure may be transient; then one clear error ending with `hint` (the offline alternative)."""
+    failure may be transient (`retry_if`, default `_transient`); each retry is one warning line; then one clear
+    error ending with `hint` (the offline alternative)."""
+    retry_if = retry_if or _transient
     attempt = 1
     while True:
         try:
             return load()
         except (OSError, ConnectionError, TimeoutError, ValueError) as err:
             # transformers/datasets raise OSError (or subclasses) for "not found locally and offline".
-            if attempt >= tries or hub_offline() or not _transient(err) or not _endpoint_resolves():
+            if attempt >= tries or hub_offline() or not retry_if(err) or not _endpoint_resolves():
                 after = f" (the hub did not answer in {attempt} tries)" if attempt > 1 else ""
                 raise HubUnavailableError(f"could not load {what}{after}: {err}\n{hint}") from err
-        time.sleep(HUB_BACKOFF_S * 2 ** (attempt - 1))
+            wait = HUB_BACKOFF_S * 2 ** (attempt - 1)
+            reason = " ".join(str(err).split())[:200]
+            logging.getLogger(__name__).warning(f"{what}: {type(err).__name__}: {reason}; trying again in {wait:g} s "
+                                                f"(try {attempt + 1} of {tries})")
+        time.sleep(wait)
         attempt += 1
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from blockgen.harness.checkpoints.checkpoint import CONFIG, WEIGHTS, save_checkpoint
-from blockgen.harness.checkpoints.hub import OFFLINE_HINT, HubUnavailableError, file_id
+from blockgen.harness.checkpoints.hub import OFFLINE_HINT, HubUnavailableError, answered_busy, file_id, hub_call
 from blockgen.harness.checkpoints.release_paths import (
     DATASETS,
     HF_PREFIX,
@@ -90,13 +90,16 @@ def locate(pretrained: str | Path) -> tuple[Path, str]:
 
     paths = []
     for name in (CONFIG, WEIGHTS):
-        try:
-            paths.append(hf_hub_download(repo, name, subfolder=subfolder))
+        fetching = f"{subfolder}/{name} from {constants.ENDPOINT}"
+        try:  # a busy hub's 5xx asked again (huggingface_hub retries a failed connection itself, not a 500 on a file)
+            paths.append(hub_call(lambda: hf_hub_download(repo, name, subfolder=subfolder), fetching, hint="",
+                                  retry_if=answered_busy))
         except Exception as err:  # offline, DNS, 404, a timeout, a missing cache entry under HF_HUB_OFFLINE=1
-            reason = " ".join(str(err).split())  # hub errors span lines: the message stays one
+            cause = err.__cause__ if isinstance(err, HubUnavailableError) and err.__cause__ is not None else err
+            reason = " ".join(str(cause).split())  # hub errors span lines: the message stays one
             # the client's own message may be as short as "timed out": say which file, from where
-            raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(err).__name__} fetching "
-                                      f"{subfolder}/{name} from {constants.ENDPOINT}: {reason})") from err
+            raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(cause).__name__} fetching "
+                                      f"{fetching}: {reason})") from err
     return Path(paths[0]).parent, text
 
 
