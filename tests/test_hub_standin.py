@@ -96,7 +96,8 @@ def test_blockgen_import_fetches_a_release_and_its_tokenizer_from_the_hub(releas
 @needs_fixtures
 def test_the_hubs_answers_reach_the_user_as_the_clients_errors(release_hub, tmp_path):
     """What is not there, a revision that does not exist and a gated repository: each the exception huggingface_hub
-    raises against the real hub, and `blockgen import` of a missing release one line with the file and the offline fix."""
+    raises against the real hub; `blockgen import` of a gated release says to log in or use a local copy, of a missing
+    one names the file and the offline fix, each in one line."""
     publish(release_hub.root, "models", "org/gated", {"config.json": b"{}"}, token=TOKEN)
     script = tmp_path / "errors.py"
     script.write_text(
@@ -119,6 +120,12 @@ def test_the_hubs_answers_reach_the_user_as_the_clients_errors(release_hub, tmp_
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "file": "RemoteEntryNotFoundError", "revision": "RevisionNotFoundError", "repo": "RepositoryNotFoundError",
         "gated": "GatedRepoError", "wrong token": "GatedRepoError", "token": "{}"}
+    gated = publish(tmp_path / "gated", "models", "jdeschena/blockgen", {f"{RELEASE}/config.json": b"{}"}, token=TOKEN)
+    with HubStandin(gated.root) as gated_hub:
+        refused = _run(tmp_path, _env(tmp_path, gated_hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{RELEASE}")
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "gated: log in" in refused.stderr and "HF_TOKEN" in refused.stderr and "GatedRepoError" in refused.stderr
+    assert "--local-dir DIR" in refused.stderr  # the local copy's way, as for any release the hub does not give
     missing = "blockgen/single_block_size/16/owt/absorb"
     absent = _run(tmp_path, _env(tmp_path, release_hub.endpoint), "blockgen", "import", f"hf:jdeschena/blockgen/{missing}")
     assert absent.returncode == 1 and len(absent.stderr.strip().splitlines()) == 1, absent.stderr

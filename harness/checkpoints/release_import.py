@@ -98,9 +98,19 @@ def locate(pretrained: str | Path) -> tuple[Path, str]:
             cause = err.__cause__ if isinstance(err, HubUnavailableError) and err.__cause__ is not None else err
             reason = " ".join(str(cause).split())  # hub errors span lines: the message stays one
             # the client's own message may be as short as "timed out": say which file, from where
-            raise HubUnavailableError(f"{offline_message(text, subfolder, repo)} ({type(cause).__name__} fetching "
-                                      f"{fetching}: {reason})") from err
+            raise HubUnavailableError(f"{_login_hint(cause)}{offline_message(text, subfolder, repo)} ({type(cause).__name__} "
+                                      f"fetching {fetching}: {reason})") from err
     return Path(paths[0]).parent, text
+
+
+def _login_hint(err: BaseException) -> str:
+    """For a repository the hub gates: the two ways on, before the offline ones."""
+    from huggingface_hub.errors import GatedRepoError
+
+    if not isinstance(err, GatedRepoError):
+        return ""
+    return ("the repository is gated: log in with an account that has access (`huggingface-cli login`, or HF_TOKEN), "
+            "or use a local copy. ")
 
 
 def cache_root() -> Path:
