@@ -21,7 +21,9 @@ from test_hub_standin import FIXTURES, RELEASE, _env, _run, needs_fixtures, rele
 
 FILE = "weights.bin"
 DATA = bytes(range(256)) * 1200  # 300 kB: one chunk of huggingface_hub's 10 MB reads
-TIMEOUTS = {"HF_HUB_DOWNLOAD_TIMEOUT": "1", "HF_HUB_ETAG_TIMEOUT": "1"}
+# Each test sets only the timeout its stalled request meets, so no healthy request on a busy machine races a 1 s limit.
+DOWNLOAD_TIMEOUT = {"HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+ETAG_TIMEOUT = {"HF_HUB_ETAG_TIMEOUT": "1"}
 STALL_S = 120.0  # far past the 1 s timeouts; the proxy's stop ends it
 
 # hf_hub_download of org/m's file, `sys.argv[1]` times in one process: the outcome of each (its local path's bytes
@@ -140,7 +142,7 @@ def test_a_stalled_metadata_request_is_retried_silently(hub, tmp_path):
     """The HEAD stalls once: after HF_HUB_ETAG_TIMEOUT=1 huggingface_hub asks again (with its own 60 s timeout,
     not the variable's) and the download succeeds, with nothing on stderr."""
     with FaultProxy(hub.endpoint, [Stall(path=FILE, method="HEAD", seconds=STALL_S)]) as proxy:
-        (got,), stderr = download(tmp_path, proxy.endpoint, **TIMEOUTS)
+        (got,), stderr = download(tmp_path, proxy.endpoint, **ETAG_TIMEOUT)
     assert Path(got["path"]).read_bytes() == DATA and stderr == ""
     # the stalled HEAD is recorded last: its record is written when the proxy's stop ends the stall
     assert calls(proxy) == [("HEAD", 200, None, None), ("GET", 200, None, None), ("HEAD", None, "Stall", None)]
@@ -193,7 +195,7 @@ def test_blockgen_import_of_a_stalled_download_names_the_file_and_the_endpoint(r
     names the release, the file and the endpoint, and the offline fix. Nothing of the weights is left in the cache."""
     weights = f"{RELEASE}/model.safetensors"
     with FaultProxy(release_hub.endpoint, [Stall(path=weights, method="GET", seconds=STALL_S, count=10)]) as proxy:
-        done = blockgen_import(tmp_path, proxy.endpoint, **TIMEOUTS)
+        done = blockgen_import(tmp_path, proxy.endpoint, **DOWNLOAD_TIMEOUT)
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"blockgen import: error: could not fetch hf:jdeschena/blockgen/{RELEASE}"), last

@@ -20,8 +20,10 @@ import http.client
 import socket
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
+
+from blockgen.harness.checkpoints.hub_standin import LoopbackServer
 
 _CHUNK = 1 << 16
 # Hop-by-hop headers belong to one connection, not to the request or answer forwarded over another.
@@ -158,7 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = _forward
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """The proxy on 127.0.0.1 in a background thread: `with FaultProxy(upstream, faults) as proxy: ... proxy.endpoint`."""
 
     def __init__(self, upstream: str, faults: list[Fault] | tuple[Fault, ...] = (), port: int = 0,
@@ -170,16 +172,9 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
-        handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = False  # so that `stop` joins every connection's thread
+        # daemon_threads off and block_on_close: `stop` joins every connection's thread
+        super().__init__(type("Handler", (_Handler,), {"proxy": self}), port, host, daemon_threads=False)
         self._server.block_on_close = True
-        self._thread: threading.Thread | None = None
-
-    @property
-    def endpoint(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
 
     @property
     def seen(self) -> list[Seen]:
@@ -204,27 +199,13 @@ class FaultProxy:
         with self._lock:
             self._seen.append(seen)
 
-    def start(self) -> "FaultProxy":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hub-faults", daemon=True)
-        self._thread.start()
-        return self
-
     def stop(self) -> None:
         """Stop answering, end stalls and open connections, join every thread and free the port."""
         self._stopping.set()
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join()
-            self._thread = None
+        self._halt()
         for conn in list(self._connections):  # idle keep-alive connections would otherwise hold their threads
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         self._server.server_close()
-
-    def __enter__(self) -> "FaultProxy":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -23,6 +23,7 @@ revision folders holds the one token the repository accepts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,8 +42,15 @@ _CHUNK = 1 << 20
 
 
 def _blob_sha(path: Path) -> str:
-    """The file's git blob hash: what the hub reports as a file's `oid` and `ETag`."""
-    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    """The file's git blob hash: what the hub reports as a file's `oid` and `ETag` (every request names a commit,
+    hashed from its files: read once per version of a file, known by its size and modification time)."""
+    stat = path.stat()
+    return _hashed(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hashed(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha1(b"blob %d\0" % size)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
@@ -236,14 +244,13 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_HEAD = do_POST = _route
 
 
-class HubStandin:
-    """The server on 127.0.0.1 in a background thread: `with HubStandin(root) as hub: ... hub.endpoint`."""
+class LoopbackServer:
+    """An HTTP server on 127.0.0.1 (port 0: a free one) in a background thread, used as a context manager; `endpoint`
+    is its address. The stand-in below and the fault proxy (hub_faults.py) are two."""
 
-    def __init__(self, root: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
-        self.root = Path(root)
-        handler = type("Handler", (_Handler,), {"root": self.root})
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int, host: str, daemon_threads: bool = True) -> None:
         self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
+        self._server.daemon_threads = daemon_threads
         self._thread: threading.Thread | None = None
 
     @property
@@ -251,21 +258,33 @@ class HubStandin:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "HubStandin":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hub-standin", daemon=True)
+    def start(self):
+        self._thread = threading.Thread(target=self._server.serve_forever, name=type(self).__name__, daemon=True)
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop answering and free the port (requests in flight end with a dropped connection)."""
+    def _halt(self) -> None:
+        """Stop accepting: the serving thread ends (connections already open are the caller's to end)."""
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join()
             self._thread = None
+
+    def stop(self) -> None:
+        """Stop answering and free the port (requests in flight end with a dropped connection)."""
+        self._halt()
         self._server.server_close()
 
-    def __enter__(self) -> "HubStandin":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class HubStandin(LoopbackServer):
+    """The stand-in on 127.0.0.1 in a background thread: `with HubStandin(root) as hub: ... hub.endpoint`."""
+
+    def __init__(self, root: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.root = Path(root)
+        super().__init__(type("Handler", (_Handler,), {"root": self.root}), port, host)
