@@ -8,7 +8,7 @@ BLOCKGEN := $(VENV)/bin/blockgen
 LM_EVAL := $(VENV)/bin/lm_eval
 TORCHRUN := $(VENV)/bin/torchrun
 
-.PHONY: help setup vllm-env browser demo demo-seeds sweep test test-unprivileged bench gpu-check clean hub-standin prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
+.PHONY: help setup vllm-env browser demo demo-seeds sweep test test-unprivileged bench gpu-check clean hub-standin online-check prepare-owt train-owt eval-owt prepare-tinygsm train-tinygsm eval-gsm8k \
 	ci-pipeline regression-check regression-update regression-gsm8k-check regression-gsm8k-update eval-released-owt eval-released-gsm8k hub-check-released
 
 help:
@@ -38,6 +38,7 @@ help:
 	@echo "  hub-check-released  exit 1 unless the hub (or BLOCKGEN_RELEASE_DIR) has the releases MODELS_*_RELEASED name"
 	@echo "  hub-standin    a Hugging Face hub on 127.0.0.1 serving tiny repositories of the real ids from HUB_ROOT=$(HUB_ROOT)"
 	@echo "                 (RELEASE_FIXTURES=<dir with released/, released-gpt2/>: also jdeschena/blockgen); prints the HF_ENDPOINT to export"
+	@echo "  online-check   the full-scale targets online at tiny size against hub-standin, then offline from its cache; leaderboards compared"
 	@echo "  ci-pipeline    the CI's small offline OWT pipeline into an empty CI_RUNS=$(CI_RUNS) (.ci/run)"
 	@echo "  regression-check   its leaderboard against $(CI_REFERENCE); exit 1 past a tolerance"
 	@echo "  regression-update  rerun ci-pipeline (FROM=<RUNS folder>: take that folder's) and rewrite $(CI_REFERENCE)"
@@ -258,7 +259,7 @@ endef
 # settings. torchrun (data parallel, one vLLM server per GPU) when EVAL_NPROC > 1. $(1) the grid,
 # $(2) the models, $(3) more options. DRY_RUN=1: one line per setting and its cost, nothing runs.
 SWEEP_LAUNCH = $(if $(filter-out 1,$(EVAL_NPROC)),OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(EVAL_NPROC) -m blockgen.harness.cli,$(BLOCKGEN))
-SWEEP_OPTS = --device $(DEVICE) $(call opt,--temperatures,$(2)) $(call opt,--limit,$(LIMIT)) $(call opt,--k-mc,$(K_MC)) \
+SWEEP_OPTS = --device $(DEVICE) $(call opt,--temperatures,$(1)) $(call opt,--limit,$(LIMIT)) $(call opt,--k-mc,$(K_MC)) \
 	$(call opt,--batch-size,$(EVAL_BATCH)) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(EVAL_ARGS)
 sweep_args = sweep $(1) --runs $(RUNS) --models $(2) $(3)
 define sweep
@@ -385,9 +386,9 @@ release_spec = hf:$(RELEASE_REPO)/$(patsubst $(1)=%,%,$(filter $(1)=%,$(RELEASE_
 # The releases converted once (cached; the folder records the source) in one process before torchrun's
 # ranks start; the sweep then finds them in the cache.
 release_import = $(BLOCKGEN) import $(foreach m,$(2),$(call release_spec,$(1)-$(m))) >/dev/null
-released_hint = Released checkpoints need the hub, or a local copy: BLOCKGEN_RELEASE_DIR=DIR HF_HUB_OFFLINE=1 (docs/released.md). Offline without them: make demo.
-hub-released-owt = $(BLOCKGEN) hub-check --presets owt-ar --models gpt2 $(or $(SCORER),gpt2-large) --hint "$(released_hint)"
-hub-released-gsm = $(BLOCKGEN) hub-check --models HuggingFaceTB/SmolLM-135M --datasets openai/gsm8k --hint "$(released_hint)"
+released_hint = Released checkpoints need the hub, or with HF_HUB_OFFLINE=1 its cache filled by an earlier online run or a local copy (BLOCKGEN_RELEASE_DIR=DIR; docs/released.md). Offline without them: make demo.
+hub-released-owt = $(BLOCKGEN) hub-check --presets owt-ar --models $(or $(SCORER),gpt2-large) --hint "$(released_hint)"
+hub-released-gsm = $(BLOCKGEN) hub-check --tokenizers HuggingFaceTB/SmolLM-135M --datasets openai/gsm8k --hint "$(released_hint)"
 # One leaderboard add per model, its rows named by the release (hf:jdeschena/blockgen/<subfolder>).
 define released_board
 	$(foreach m,$(2),$(BLOCKGEN) leaderboard add $$(find $(RUNS)/results/released/$(1)-$(m) -name 'results_*.json' | sort) --to $(3) --model $(call release_spec,$(1)-$(m))
@@ -400,6 +401,14 @@ HUB_ROOT ?= runs/hub
 RELEASE_FIXTURES ?=
 hub-standin: setup
 	$(BLOCKGEN) hub-standin --root $(HUB_ROOT) --write-tiny-repos $(if $(RELEASE_FIXTURES),--release-fixtures $(RELEASE_FIXTURES))
+
+# The full-scale targets online at tiny size against the stand-in, then offline from the cache they filled with it
+# stopped, the leaderboards compared row by row (tests/online_pipeline.py; docs/pipeline.md, "The full-scale path
+# online"). ONLINE_PATHS: any of owt gsm8k released-owt released-gsm8k (CI's tests run released-owt).
+ONLINE_PATHS ?= owt gsm8k released-owt released-gsm8k
+online-check: setup vllm-env
+	rm -rf $(RUNS)/online-check
+	BLOCKGEN_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) tests/online_pipeline.py --out $(RUNS)/online-check --paths $(ONLINE_PATHS)
 
 hub-check-released: setup
 	$(BLOCKGEN) released check $(addprefix owt-,$(MODELS_OWT_RELEASED)) $(addprefix tinygsm-,$(MODELS_GSM_RELEASED)) --hint "$(released_hint)"

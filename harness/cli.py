@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
     hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
     hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
+    hub_p.add_argument("--tokenizers", nargs="*", default=[], help="models of which only the tokenizer is loaded")
     hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
     hub_standin_repos.build_parser(_mounted(sub, "hub-standin", "a Hugging Face hub on 127.0.0.1 serving local folders (prints the HF_ENDPOINT)",
                                             hub_standin_repos.COMMAND_HELP))
@@ -235,7 +236,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _hub_check(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.hub import HubUnavailableError, check_files
 
-    datasets, tokenizers = [(name, None, None) for name in args.datasets], []
+    datasets, tokenizers = [(name, None, None) for name in args.datasets], list(args.tokenizers)
     for name in args.presets:
         data = preset(name).data
         if data.path is None and data.source in ("owt", "tinygsm"):

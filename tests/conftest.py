@@ -50,7 +50,7 @@ def one_torch_thread():
 SLOW_MODULES_FIRST = (
     "test_owt_tasks.py", "test_train.py", "test_sweep.py", "test_lm_eval_command.py", "test_leaderboard.py",
     "test_gsm8k_code.py", "test_graphs.py", "test_restart.py", "test_prepare.py", "test_tasks_any_model.py",
-    "test_scorers.py", "test_sweep_shards.py", "test_gpu_check.py", "test_outcomes.py", "test_released.py",
+    "test_scorers.py", "test_online_pipeline.py", "test_hub_faults.py", "test_sweep_shards.py", "test_gpu_check.py", "test_outcomes.py", "test_released.py",
     "test_synthlang.py",
 )
 

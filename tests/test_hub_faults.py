@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,83 @@ def test_blockgen_import_of_a_stalled_download_names_the_file_and_the_endpoint(r
     assert done.stderr.count(f"Error while downloading from {proxy.endpoint}/jdeschena/blockgen/resolve/main/{weights}: timed out") == 6
     assert [c[:3] for c in calls(proxy, weights)] == [("HEAD", 200, None)] + [("GET", None, "Stall")] * 6
     assert not list((tmp_path / "hf" / "hub").rglob("model.safetensors"))
+
+
+@pytest.mark.skipif(not (FIXTURES.parent / "released").is_dir(), reason=f"release fixtures not found at {FIXTURES.parent}")
+def test_the_hub_gone_in_the_middle_of_a_sweep_keeps_its_finished_settings(tmp_path):
+    """`blockgen sweep released-owt --keep-going` of two releases, the hub going down at the first request for the second:
+    the first release's settings finish and are kept, each of the second's is recorded in error.json with the file and
+    the endpoint, no cache holds a partial file; the rerun against a healthy hub skips the first and runs the second."""
+    from blockgen.harness.checkpoints.hub_faults import Down
+    from blockgen.harness.data.hub_standin_repos import write_tiny_hub
+
+    write_tiny_hub(tmp_path / "hub", release_fixtures=FIXTURES.parent)
+    second = "blockgen/multi_block_size/16/owt/0.05_0.95/absorb"  # owt-masked-mix's subfolder
+    sweep = ["blockgen", "sweep", "released-owt", "--runs", str(tmp_path / "runs"), "--models", "ar", "masked-mix",
+             "--device", "cpu", "--temperatures", "1.0", "--limit", "2", "--keep-going", "--no-progress",
+             "--metadata", '{"scorer": "transformers"}']  # the in-process scorer: this test is about the hub
+
+    def report(done) -> dict:
+        return json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("sweep: "))[7:])
+
+    results, mauve = tmp_path / "runs" / "results" / "released", tmp_path / "mauve-cache"
+    with HubStandin(tmp_path / "hub") as standin:
+        with FaultProxy(standin.endpoint, [Down(path=second)]) as proxy:
+            gone = _run(tmp_path, _env(tmp_path, proxy.endpoint, OMP_NUM_THREADS="1", BLOCKGEN_MAUVE_CACHE=str(mauve)), *sweep)
+        assert gone.returncode == 1, gone.stderr[-3000:]
+        assert report(gone) | {"seconds": 0} == {"settings": 8, "ran": 3, "skipped": 0, "model_loads": 1, "vllm_starts": 0,
+                                                  "scorer_loads": 1, "seconds": 0, "failed": report(gone)["failed"], "shard": None}
+        assert len(report(gone)["failed"]) == 5 and all(f.startswith("released/owt-masked-mix/") for f in report(gone)["failed"])
+        assert len(list((results / "owt-ar").rglob("results_*.json"))) == 3
+        errors = sorted((results / "owt-masked-mix").rglob("error.json"))
+        assert len(errors) == 5
+        message = json.loads(errors[0].read_text())["error"]
+        assert f"{second}/config.json from {proxy.endpoint}" in message and "HF_HUB_OFFLINE=1" in message, message
+        assert not [p for p in (tmp_path / "hf").rglob("*.incomplete")]  # no partial download in the hub or datasets cache
+        assert list(mauve.iterdir()) and not list(mauve.rglob(".*.tmp"))  # the references' features, written whole
+        converted = [p for p in (tmp_path / "release-cache").iterdir()]
+        assert len(converted) == 1 and (converted[0] / "model.safetensors").is_file(), converted  # owt-ar's, whole
+
+        healthy = _run(tmp_path, _env(tmp_path, standin.endpoint, OMP_NUM_THREADS="1", BLOCKGEN_MAUVE_CACHE=str(mauve)), *sweep)
+    assert healthy.returncode == 0, healthy.stderr[-3000:]
+    assert (report(healthy)["ran"], report(healthy)["skipped"], report(healthy)["failed"]) == (5, 3, [])
+    assert not list(results.rglob("error.json"))
+    assert len(list(results.rglob("results_*.json"))) == 8
+
+
+def test_training_data_and_tokenizer_through_a_busy_and_dropping_hub(tmp_path):
+    """`blockgen prepare-data --preset owt-ar` online (datasets' parquet shards of OWT's export, gpt2's tokenizer) with
+    gpt2's tokenizer.json answered 500 once, the first shard 503 twice and the second dropped after 2,000 bytes: the
+    project asks again for the tokenizer and the dataset (one warning per retry), huggingface_hub fetches the dropped
+    shard again; the prepared data equals a healthy run's, byte for byte, and no cache holds a partial file."""
+    from blockgen.harness.data.hub_standin_repos import write_tiny_hub
+
+    write_tiny_hub(tmp_path / "hub")
+
+    def prepare(endpoint: str, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        cache = tmp_path / name
+        env = _env(cache, endpoint, OMP_NUM_THREADS="1")
+        done = _run(tmp_path, env, "blockgen", "prepare-data", "--preset", "owt-ar", "--size", "micro", "--seq-len", "64",
+                    "--data.cache-dir", str(cache / "data"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        (prepared,) = (cache / "data").glob("prepared-owt-*")
+        return done, prepared
+
+    faults = [Status(path="/tokenizer.json", method="GET", status=500), Status(path="0000.parquet", method="GET", status=503, count=2),
+              Drop(path="0001.parquet", method="GET", after_bytes=2000)]
+    with HubStandin(tmp_path / "hub") as standin:
+        with FaultProxy(standin.endpoint, faults) as proxy:
+            faulty, faulty_data = prepare(proxy.endpoint, "faulty")
+        healthy, healthy_data = prepare(standin.endpoint, "healthy")
+    assert [s.status for s in proxy.requests("/tokenizer.json", "GET")] == [500, 200]
+    assert [s.status for s in proxy.requests("0000.parquet", "GET")] == [503, 503, 200]
+    shard = proxy.requests("0001.parquet", "GET")
+    # fetched again from the start: under 10 MB, the client's read buffer, it asks for no Range (the test above)
+    assert [(type(s.fault).__name__ if s.fault else None, s.range) for s in shard] == [("Drop", None), (None, None)]
+    retries = [line for line in faulty.stderr.splitlines() if "trying again in" in line]
+    assert len(retries) == 3 and sum("Skylion007/openwebtext" in line for line in retries) == 2, retries
+    assert "Trying to resume download" in faulty.stderr
+    files = sorted(p.relative_to(faulty_data) for p in faulty_data.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(healthy_data) for p in healthy_data.rglob("*") if p.is_file())
+    assert all((faulty_data / f).read_bytes() == (healthy_data / f).read_bytes() for f in files if f.name != "meta.json")
+    assert not list((tmp_path / "faulty" / "hf").rglob("*.incomplete"))

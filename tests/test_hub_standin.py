@@ -193,7 +193,6 @@ def test_openwebtext_is_read_from_the_hubs_parquet_export_online(tmp_path):
     publish(root, "models", "gpt2", {p.name: p for p in (FIXTURES / "tokenizer").iterdir()})
     script = tmp_path / "split.py"
     script.write_text("import json\nfrom blockgen.harness.data import sources\n"
-                      "sources.OWT_VALIDATION_DOCS = 10  # the authors hold out the last 100k of 8M documents\n"
                       "train, held_out = sources.document_split(sources.DataConfig(source='owt'))\n"
                       "print(json.dumps([list(train), list(held_out)]))\n")
     with HubStandin(root) as hub:
@@ -205,7 +204,7 @@ def test_openwebtext_is_read_from_the_hubs_parquet_export_online(tmp_path):
         assert check.returncode == 0, check.stderr
         done = _run(tmp_path, _env(tmp_path, hub.endpoint), str(script))
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == [docs[:50], docs[50:]]
+    assert json.loads(done.stdout.splitlines()[-1]) == [docs[:54], docs[54:]]  # a small corpus: its last tenth held out
 
 
 @needs_fixtures
@@ -230,7 +229,6 @@ def test_the_tiny_hub_serves_what_a_full_scale_run_loads(tmp_path):
         "gpt2, smollm = AutoTokenizer.from_pretrained('gpt2'), AutoTokenizer.from_pretrained('HuggingFaceTB/SmolLM-135M')\n"
         "logits = scorer(torch.tensor([gpt2.encode('The cat sat.')])).logits\n"
         "tinygsm = sources.load_rows(sources.DataConfig(source='tinygsm'))\n"
-        "sources.OWT_VALIDATION_DOCS = 10\n"
         "train, held_out = sources.document_split(sources.DataConfig(source='owt'))\n"
         "print(json.dumps({'scorer': type(scorer).__name__, 'logits': logits.shape[-1], 'gpt2': [len(gpt2), gpt2.eos_token],\n"
         "                  'smollm': [len(smollm), smollm.vocab_size, smollm.pad_token], 'tinygsm': [len(tinygsm), sorted(tinygsm.column_names)],\n"
@@ -244,7 +242,7 @@ def test_the_tiny_hub_serves_what_a_full_scale_run_loads(tmp_path):
         imported = _run(tmp_path, env, "blockgen", "import", "owt-masked-mix", "tinygsm-masked-mix")
         assert imported.returncode == 0, imported.stderr
     got = json.loads(loaded.stdout.splitlines()[-1])
-    assert got.pop("owt")[1] == 10 and got == {
+    assert got.pop("owt") == [72, 7] and got == {  # OWT's 79 documents, the last tenth held out
         "scorer": "GPT2LMHeadModel", "logits": 120, "gpt2": [120, "<|endoftext|>"], "smollm": [64, 64, "<pad>"],
         "tinygsm": [512, ["code", "question"]], "gsm8k": 64}
     assert len(imported.stdout.split()) == 2 and all((Path(p) / "model.safetensors").is_file() for p in imported.stdout.split())

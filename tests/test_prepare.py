@@ -79,17 +79,19 @@ def test_owt_loads_a_local_copy_of_the_hub_parquet_export(tmp_path, tok, monkeyp
     export = tmp_path / "openwebtext-export"
     _write_parquet(export / "plain_text" / "train" / "0000.parquet", {"text": docs[:150]})
     _write_parquet(export / "plain_text" / "train" / "0001.parquet", {"text": docs[150:]})
-    monkeypatch.setattr(data_mod, "OWT_VALIDATION_DOCS", 30)  # the authors hold out the last 100k of 8M
+    # the authors hold out the last 100k of 8M documents; a corpus under 1M its last tenth
+    assert data_mod.owt_held_out_docs(8_013_769) == 100_000 and data_mod.owt_held_out_docs(79) == 7
+    monkeypatch.setattr(data_mod, "OWT_VALIDATION_DOCS", 20)  # below the tenth of 230: the cap holds
     monkeypatch.setattr(data_mod, "DOCUMENTS_PER_BATCH", 40)  # several batches, each with a remainder dropped
     config = DataConfig(source="owt", hub_name=str(export), n_val=5, cache_dir=str(tmp_path / "cache"))
     train_docs, held_out = document_split(config)
-    assert list(train_docs) == docs[:200] and list(held_out) == docs[200:]
+    assert list(train_docs) == docs[:210] and list(held_out) == docs[210:]
 
     train, val, info = load_examples(config, tok, 24)
     assert train.tokens.dtype == torch.int32 and train[[0, 2]].tokens.dtype == torch.long  # memory-mapped, int64 out
-    assert train.tokens.tolist() == _framed_by_hand(docs[:200], tok, 24, 40)
-    assert val.tokens.tolist() == _framed_by_hand(docs[200:], tok, 24, 40)[:5]
-    assert info["validation_documents"] == 30 and info["train_examples"] == len(train) > 20
+    assert train.tokens.tolist() == _framed_by_hand(docs[:210], tok, 24, 40)
+    assert val.tokens.tolist() == _framed_by_hand(docs[210:], tok, 24, 40)[:5]
+    assert info["validation_documents"] == 20 and info["train_examples"] == len(train) > 20
     assert train.loss_mask.all() and not train.condition_mask.any()
     # The tasks' in-memory chunks (owt_ppl) are training's validation chunks.
     assert torch.equal(chunk_documents(held_out, tok, special_tokens(tok), 24).tokens[:5], val.tokens)

@@ -245,10 +245,29 @@ def test_server_that_dies_mid_run_is_a_clear_error(scorer_dir, texts, fake_vllm,
     monkeypatch.setenv("FAKE_VLLM", "die")
     scorer = open_scorer(ScorerConfig(backend="vllm", model=str(scorer_dir)))
     pgid = scorer.server.process.pid
-    with pytest.raises(ScorerError, match=r"stopped answering[\s\S]*exited with code 1[\s\S]*server log"):
+    with pytest.raises(ScorerError, match=r"stopped answering[\s\S]*has exited \(code 1\)[\s\S]*server log"):
         score_texts(scorer, texts[:3], progress=False)
     assert wait_gone(pgid) == []
     scorer.close()
+
+
+def test_a_scorer_given_the_url_of_a_server_this_process_started_shows_its_log(scorer_dir, texts, fake_vllm, monkeypatch):
+    """A sweep starts one server and hands each setting its URL: when it fails, the error still names that server's
+    state and log, and the log is kept after the sweep stops the server (it was deleted, leaving a path to nothing)."""
+    from blockgen.harness.evaluation.vllm_server import VLLMServer
+
+    monkeypatch.setenv("FAKE_VLLM", "die")
+    server = VLLMServer(ScorerConfig(backend="vllm", model=str(scorer_dir)))
+    url = server.start()
+    try:
+        scorer = open_scorer(ScorerConfig(backend="vllm", model=str(scorer_dir), url=url))
+        with pytest.raises(ScorerError, match=r"stopped answering[\s\S]*has exited \(code 1\)[\s\S]*server log") as err:
+            score_texts(scorer, texts[:3], progress=False)
+        assert str(server.log_path) in str(err.value)
+    finally:
+        server.stop()
+    assert server.log_path.is_file()
+    server.log_path.unlink()
 
 
 def test_failed_start_shows_the_server_log(scorer_dir, fake_vllm, monkeypatch):

@@ -82,6 +82,17 @@ def test_full_scale_eval_is_one_launch_for_every_model(target, grid):
     assert set(GRIDS[grid].models) <= set(launch.split("--models", 1)[1].split("--device")[0].split())
 
 
+@pytest.mark.parametrize("target, temps", [("eval-owt", "TEMPS_OWT"), ("eval-gsm8k", "TEMPS_GSM")])
+def test_every_make_variable_of_a_sweep_reaches_its_option(target, temps):
+    """TEMPS_*, LIMIT, K_MC, EVAL_BATCH and EVAL_ARGS each become the sweep's option (TEMPS_* were once dropped:
+    the Makefile passed them where no parameter read them)."""
+    variables = [f"{temps}=0.7 1.0", "LIMIT=3", "K_MC=2", "EVAL_BATCH=5", "EVAL_ARGS=--seed 7", "DRY_RUN=1"]
+    lines = subprocess.run(["make", "-n", target, "NGPU=8", *variables], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    (launch,) = [line for line in lines.splitlines() if " sweep " in line]
+    for option in ("--temperatures 0.7 1.0", "--limit 3", "--k-mc 2", "--batch-size 5", "--seed 7", "--dry-run"):
+        assert option in " ".join(launch.split()), (option, launch)
+
+
 def test_greedy_runs_once_whatever_the_temperature():
     g = GRIDS["owt"]
     ar = [s for s in evaluations(g) if s.run == "owt-ar" and s.sampler is not None]

@@ -138,19 +138,26 @@ def dataset_layout_problem(files: list[str], split: str | None = "train") -> str
 
 
 def repo_files(name: str, revision: str | None = None, kind: str = "dataset") -> list[str]:
-    """The files of a hub repository at a revision, or of a local folder (relative paths)."""
+    """The files of a hub repository at a revision, or of a local folder (relative paths). With HF_HUB_OFFLINE set:
+    the files of the revision's snapshot in the hub cache (what an earlier online run downloaded), as a cluster's
+    compute nodes run after the login node filled the cache."""
     import os
 
     if Path(name).is_dir():
         return sorted(str(p.relative_to(name)) for p in Path(name).rglob("*") if p.is_file())
+    at = f" at revision {revision}" if revision else ""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise HubUnavailableError("HF_HUB_OFFLINE is set")
+        from huggingface_hub import snapshot_download
+
+        try:
+            return repo_files(snapshot_download(name, repo_type=kind, revision=revision, local_files_only=True))
+        except Exception as err:
+            raise HubUnavailableError(f"HF_HUB_OFFLINE is set and the hub cache holds no {kind} {name}{at}") from err
     from huggingface_hub import HfApi
 
     try:
         return HfApi().list_repo_files(name, repo_type=kind, revision=revision)
     except Exception as err:  # network errors, DNS, 404, a missing revision: all mean "cannot use it from here"
-        at = f" at revision {revision}" if revision else ""
         raise HubUnavailableError(f"{kind} {name}{at} is not reachable on the Hugging Face hub ({type(err).__name__})") from err
 
 

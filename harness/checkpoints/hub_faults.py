@@ -65,6 +65,12 @@ class Stall(Fault):
     headers_first: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class Down(Fault):
+    """The hub goes down at this request: it and every later one (on connections already open too) end without an
+    answer, and the port stops accepting, as when the server is stopped in the middle of a run."""
+
+
 @dataclass(frozen=True)
 class Seen:
     """One request: `status` is what the client was sent (None: nothing), `fault` the one applied (None: passed through)."""
@@ -103,6 +109,11 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.proxy._take(self.command, self.path)
         self._status: int | None = None  # set once a status line is sent
         try:
+            if isinstance(fault, Down):
+                self.proxy._go_down()
+            if self.proxy._down.is_set():
+                self.close_connection = True
+                return
             if isinstance(fault, Status):
                 self._status = fault.status
                 data = b'{"error": "injected by FaultProxy"}'
@@ -171,6 +182,7 @@ class FaultProxy(LoopbackServer):
         self._seen: list[Seen] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._down = threading.Event()
         self._connections: set[socket.socket] = set()
         # daemon_threads off and block_on_close: `stop` joins every connection's thread
         super().__init__(type("Handler", (_Handler,), {"proxy": self}), port, host, daemon_threads=False)
@@ -194,6 +206,17 @@ class FaultProxy(LoopbackServer):
                     self._left[i] -= 1
                     return fault
         return None
+
+    def _go_down(self) -> None:
+        """Stop accepting (from another thread: `shutdown` waits for the serving loop); open connections are refused
+        request by request (`_forward`)."""
+        if not self._down.is_set():
+            self._down.set()
+            threading.Thread(target=self._close_listener, daemon=True).start()
+
+    def _close_listener(self) -> None:
+        self._halt()
+        self._server.socket.close()
 
     def _record(self, seen: Seen) -> None:
         with self._lock:

@@ -44,15 +44,22 @@ def release_spec(name: str) -> str:
 
 
 def check_on_hub(names: list[str]) -> None:
-    """Raise HubUnavailableError unless the hub (or $BLOCKGEN_RELEASE_DIR) has every named release's two files."""
+    """Raise HubUnavailableError unless the hub (or $BLOCKGEN_RELEASE_DIR) has every named release's two files; with
+    HF_HUB_OFFLINE set, unless $BLOCKGEN_RELEASE_DIR or the hub cache (an earlier online run's downloads) has them."""
     local = os.environ.get(LOCAL_DIR_ENV)
     wanted = [(name, RELEASES[name]) for name in names if release_spec(name)]
     if local:
         wanted = [(n, sub) for n, sub in wanted if not all((Path(local) / sub / f).is_file() for f in (CONFIG, WEIGHTS))]
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        from huggingface_hub import try_to_load_from_cache
+
+        wanted = [(n, sub) for n, sub in wanted
+                  if not all(isinstance(try_to_load_from_cache(HUB_REPO, f"{sub}/{f}"), str) for f in (CONFIG, WEIGHTS))]
+        if wanted:
+            raise HubUnavailableError(f"HF_HUB_OFFLINE is set and neither the hub cache nor {LOCAL_DIR_ENV} holds "
+                                      f"{[n for n, _ in wanted]}")
     if not wanted:
         return
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise HubUnavailableError(f"HF_HUB_OFFLINE is set and {LOCAL_DIR_ENV} lacks {[n for n, _ in wanted]}")
     from huggingface_hub import HfApi
 
     api = HfApi()

@@ -94,13 +94,14 @@ def smollm_like_tokenizer(out: Path) -> Path:
 
 
 def _scorer_model(tokenizer_dir: Path, out: Path, seed: int) -> Path:
-    """GPT-2 Large's architecture and config keys at a tiny width, random weights."""
+    """GPT-2 Large's architecture, config keys and head width (64: vLLM's CPU attention has no kernel for 16) at two
+    heads and two layers, random weights."""
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=64, n_layer=2, n_head=4,
+    config = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=128, n_layer=2, n_head=2,
                         bos_token_id=vocab - 1, eos_token_id=vocab - 1, architectures=["GPT2LMHeadModel"])
     GPT2LMHeadModel(config).save_pretrained(str(out), safe_serialization=True)
     return out

@@ -410,22 +410,27 @@ class TextColumn(Sequence):
         return self.dataset[self.start + i % len(self)]["text"]
 
 
+def owt_held_out_docs(n_documents: int) -> int:
+    """OWT's held-out documents: the authors' last 100k of the 8M-document train split; a smaller corpus (local
+    files, a tiny copy under the hub's id) holds out its last tenth instead."""
+    return min(OWT_VALIDATION_DOCS, n_documents // 10)
+
+
 def document_split(config: DataConfig) -> tuple[Sequence[str], Sequence[str]]:
     """(training documents, held-out documents) of a document source ("owt" or "text").
 
     "owt": the last 100k documents of the train split are held out (the authors' split of the
-    hub's export; local files, `path`: the last tenth, at most 100k). "text": `pydoc_data.topics` in
+    hub's export; a smaller corpus, local or a tiny copy on a hub: its last tenth, `owt_held_out_docs`). "text": `pydoc_data.topics` in
     topic order (or local files); a document is held out when the SHA-256 of its text is 0 modulo 10,
     so the split is the same on every machine and in any order.
     """
     if config.source == "owt":
         if config.path is not None and not all(f.endswith(".parquet") for f in _local_files(config.path)):
             texts = _local_documents(config.path)
-            held_out = min(OWT_VALIDATION_DOCS, len(texts) // 10)
-            return texts[: len(texts) - held_out], texts[len(texts) - held_out :]
+            cut = len(texts) - owt_held_out_docs(len(texts))
+            return texts[:cut], texts[cut:]
         data = load_rows(config)
-        held_out = OWT_VALIDATION_DOCS if config.path is None else min(OWT_VALIDATION_DOCS, len(data) // 10)
-        cut = len(data) - held_out
+        cut = len(data) - owt_held_out_docs(len(data))
         return TextColumn(data, 0, cut), TextColumn(data, cut, len(data))  # read on demand, never one list
     if config.source == "text":
         if config.path is None:

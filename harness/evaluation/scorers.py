@@ -49,6 +49,7 @@ from blockgen.harness.evaluation.vllm_server import (
     VLLMServer,
     check_port_free,
     check_vllm_installed,
+    started_here,
     vllm_python,
 )
 
@@ -414,16 +415,18 @@ class VLLMScorer(Scorer):
         return self._request(path)
 
     def _server_state(self) -> str:
-        if self.server is None:
+        server = self.server or started_here(self.config.url)
+        if server is None:
             return f"(a server given by url={self.config.url}; its log is wherever it was started)"
-        proc = self.server.process
+        server.keep_log = True  # the message below points to it
+        proc = server.process
         if proc is not None:
             try:  # a server that just dropped the connection may take a moment to exit
                 proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 pass
-        state = "still running" if proc and proc.poll() is None else f"exited with code {proc.returncode if proc else '?'}"
-        return f"The server this harness started is {state}.\n{self.server.log_tail()}"
+        state = "is still running" if proc and proc.poll() is None else f"has exited (code {proc.returncode if proc else '?'})"
+        return f"The server this harness started {state}.\n{server.log_tail()}"
 
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         body = {"model": self.served_name, "prompt": [list(s) for s in sequences], "echo": True,

@@ -164,7 +164,7 @@ def _results_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*/results_*.json")) if folder.is_dir() else []
 
 
-def _mark(s: Evaluation, g: Grid, sha: str, metadata: dict, seed: int | None = None) -> dict:
+def _mark(s: Evaluation, g: Grid, sha: str | None, metadata: dict, seed: int | None = None) -> dict:
     """What a results file must record to stand for a setting: the setting (model arguments and task),
     the checkpoint's hash, the limit, the sweep's task metadata (scorer, sample count, ...) and seed."""
     return {"setting": s.key(g.k_mc), "checkpoint_sha": sha, "limit": g.limit,
@@ -198,13 +198,14 @@ def _record_failure(folder: Path, mark: dict, err: BaseException) -> None:
 
 
 def _clear_failure(folder: Path, mark: dict) -> None:
-    """Remove the error record of this very setting (same mark) once it has succeeded."""
+    """Remove the error record of this very setting (same mark) once it has succeeded; or of a try whose checkpoint
+    could not be fetched (no hash recorded: its mark names the release, not the folder it converts to)."""
     path = folder / ERROR_FILE
     try:
         recorded = json.loads(path.read_text()).get("blockgen_sweep")
     except (OSError, ValueError, AttributeError):
         return
-    if recorded == mark:
+    if recorded == mark or (isinstance(recorded, dict) and recorded.get("checkpoint_sha", "") is None):
         path.unlink(missing_ok=True)
 
 
@@ -339,8 +340,13 @@ def run_sweep(config: SweepConfig) -> SweepReport:
 
     try:
         for checkpoint, group in by_checkpoint.items():
-            group = [replace(s, checkpoint=str(_resolved(s.checkpoint, g))) for s in group]
-            sha = checkpoint_hash(group[0].checkpoint)
+            try:  # a release fetched now (the hub gone mid-sweep, a missing file) fails its settings, not the sweep
+                group = [replace(s, checkpoint=str(_resolved(s.checkpoint, g))) for s in group]
+                sha = checkpoint_hash(group[0].checkpoint)
+            except Exception as err:
+                for s in group:  # marked without a hash: no results file can match it, so a rerun runs them
+                    failed(s, _mark(s, g, None, config.metadata, config.seed), err)
+                continue
             marks = [_mark(s, g, sha, config.metadata, config.seed) for s in group]
             # rank 0 reads its results folders and every rank follows: ranks without a shared file
             # system run the same settings (the collectives inside lm-eval match)

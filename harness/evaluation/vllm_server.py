@@ -201,6 +201,15 @@ def gpu_memory_share(free: int, total: int) -> float:
     return round(share, 3)
 
 
+# the servers this process started and has not stopped, by URL: a scorer handed only the URL (a sweep's one server)
+# reports that server's state and log on an error
+_STARTED: dict[str, "VLLMServer"] = {}
+
+
+def started_here(url: str | None) -> "VLLMServer | None":
+    return _STARTED.get((url or "").rstrip("/"))
+
+
 class VLLMServer:
     """`vllm serve MODEL` on a loopback port, owned by this process (its own process group)."""
 
@@ -208,6 +217,7 @@ class VLLMServer:
         self.config = config
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.keep_log = False  # set once an error message has pointed to the log: stop() leaves it
         self.url = ""
         self.build: VLLMBuild | None = None
         self.memory_share = GPU_MEMORY_SHARE  # sized from the free memory when it starts on a GPU
@@ -250,6 +260,7 @@ class VLLMServer:
         STARTS["vllm"] += 1
         log.close()
         atexit.register(self.stop)
+        _STARTED[self.url] = self
         try:
             self._wait_healthy()
         except BaseException:
@@ -292,7 +303,8 @@ class VLLMServer:
         deleted unless `keep_log` (after a failure the error message points to it)."""
         proc, self.process = self.process, None
         atexit.unregister(self.stop)
-        if not keep_log and self.log_path is not None:
+        _STARTED.pop(self.url, None)
+        if not (keep_log or self.keep_log) and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
         if proc is None:
             return
