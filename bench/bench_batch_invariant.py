@@ -1,15 +1,16 @@
-"""What batch invariance costs: batched vs row-by-row generation and scoring, side by side in one run.
+"""What batch invariance costs: the fastest batched path, the invariant path and row by row, side by side in one run.
 
     .venv/bin/python bench/bench_batch_invariant.py
     .venv/bin/python bench/bench_batch_invariant.py --sizes micro --batch-sizes 1 8 --repeats 1
 
-`batch_invariant=True` (the adapter's default on a CPU) runs every row as a batch of one, so a
-row's text and score are bit for bit the same in any batch. This prints, for the micro and tiny
-shapes (random weights: timing only), `generate()` tokens/s of ARPC, ancestral and AR greedy and
-`score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and
-32, batched and row by row, and the ratio batched / row-by-row (the invariant mode's slowdown).
-The variants run round-robin, best of --repeats, so load from other processes hits each alike;
-it also checks that the row-by-row results are the batch-1 results bit for bit.
+For the micro and tiny shapes (random weights: timing only): `generate()` tokens/s of ARPC, ancestral and AR greedy
+and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
+- batched: `batch_invariant=False`, the fastest;
+- invariant: `batch_invariant=True` (likelihoods: windows grouped by width and batched in the network's row-invariant
+  mode; generation: still row by row);
+- row by row: every row as a batch of one;
+and the ratios of their times to the batched one's. The variants run round-robin, best of --repeats, so load from
+other processes hits each alike. It checks that the invariant path's row 0 is its batch-1 result bit for bit.
 """
 
 from __future__ import annotations
@@ -59,33 +60,45 @@ def main(argv: list[str] | None = None) -> None:
     samplers = {"arpc(3,3,0)": SamplerConfig("arpc", steps=3, ge=3, max_new_tokens=NEW_TOKENS),
                 "ancestral N4": SamplerConfig("ancestral", steps=4, max_new_tokens=NEW_TOKENS),
                 "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=NEW_TOKENS)}
-    print(f"batch invariance: batched vs row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
+    print(f"batch invariance: batched, invariant and row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
           f"{NEW_TOKENS} new, L' = 16; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "
           f"{torch.get_num_threads()} threads, best of {args.repeats}; load {os.getloadavg()[0]:.2f}")
-    header = ["model", "work", *(f"b{b} batched" for b in batches), *(f"b{b} per-row" for b in batches),
-              *(f"b{b} ratio" for b in batches)]
+    modes = ("batched", "invariant", "row by row")
+    header = ["model", "work", *(f"b{b} {m}" for m in modes for b in batches),
+              *(f"b{b} {m[:3]}/bat" for m in modes[1:] for b in batches)]
     print(" | ".join(f"{h:>14}" for h in header))
     with torch.inference_mode():
         for size in args.sizes:
             model = tiny_model(PROMPT_LENGTHS[1] + NEW_TOKENS, "masked", size)
             generate(model, prompts[:2], SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0)  # warm-up
-            work = {name: (lambda b, inv, c=config: generate(model, prompts[:b], c, -1, 0, seeds=list(range(b)),
-                                                             batch_invariant=inv), True, "tok/s")
+            # run(first row, rows, invariant): row i always has seed i
+            work = {name: (lambda i, b, inv, c=config: generate(model, prompts[i : i + b], c, -1, 0, seeds=list(range(i, i + b)),
+                                                                batch_invariant=inv), True, "tok/s")
                     for name, config in samplers.items()}
             windows = [Window(tuple(t), 1) for t in texts]
-            work["likelihood"] = (lambda b, inv: score_windows(model, windows[:b], list(range(b)), 8, 0, inv), False, "win/s")
+            work["likelihood"] = (lambda i, b, inv: score_windows(model, windows[i : i + b], list(range(i, i + b)), 8, 0, inv),
+                                  False, "win/s")
             for name, (run, tokens, unit) in work.items():
-                runs = {(b, inv): (lambda b=b, inv=inv: run(b, inv)) for b in batches for inv in (False, True)}
+                runs = {(b, mode): (lambda b=b, mode=mode: _run_mode(run, b, mode)) for b in batches for mode in modes}
                 best = best_of(args.repeats, runs)
                 per_row = NEW_TOKENS if tokens else 1  # tokens per row, or one window
                 rate = {key: key[0] * per_row / seconds for key, seconds in best.items()}
-                cells = [size, f"{name} {unit}", *(f"{rate[b, False]:.0f}" for b in batches),
-                         *(f"{rate[b, True]:.0f}" for b in batches), *(f"{rate[b, False] / rate[b, True]:.2f}" for b in batches)]
+                cells = [size, f"{name} {unit}", *(f"{rate[b, m]:.0f}" for m in modes for b in batches),
+                         *(f"{rate[b, 'batched'] / rate[b, m]:.2f}" for m in modes[1:] for b in batches)]
                 print(" | ".join(f"{c:>14}" for c in cells))
-                # the invariant mode reproduces batch 1 bit for bit
-                alone, together = run(1, False), run(top, True)
+                # the invariant path reproduces its batch 1 bit for bit
+                alone, together = run(0, 1, True), run(0, top, True)
                 first = together.tokens[0] if tokens else together[0]
                 assert first == (alone.tokens[0] if tokens else alone[0]), f"{size} {name}: row 0 differs from batch 1"
+
+
+def _run_mode(run, batch: int, mode: str) -> None:
+    """One timed run of rows 0..batch-1: batched, invariant, or row by row (each row alone, invariant)."""
+    if mode == "row by row":
+        for i in range(batch):
+            run(i, 1, True)
+    else:
+        run(0, batch, mode == "invariant")
 
 
 if __name__ == "__main__":

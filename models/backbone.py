@@ -19,6 +19,7 @@ The network's size is a `ModelShape` (named ones in `SIZES`), declared here once
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
@@ -115,6 +116,41 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float()).to(x.dtype)
+
+
+# Row-invariant mode (`DiT.row_invariant`): every linear layer multiplies chunks of this many token rows, so the
+# matrix kernel sees one shape whatever the batch (bench/README.md, "Batch invariance").
+INVARIANT_ROWS = 64
+
+
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with a result per token row that does not depend on how many rows there are.
+
+    A CPU GEMM chooses its blocking, and so its order of summation, by the shape (M, K, N): a row's result moves by
+    ~1e-6 relative with M. Here the rows are cut into chunks of exactly `rows` (the last one zero-padded) and
+    multiplied as one batched GEMM of (rows, K) x (K, N) matrices, at least two of them (a batch of one is dispatched
+    to the plain GEMM, which rounds otherwise). Within one shape a row's result does not depend on its place in the
+    chunk, nor on the chunk count (tests/test_row_invariant.py checks both on this machine's kernels)."""
+    *lead, k = x.shape
+    flat = x.reshape(-1, k)
+    m = flat.shape[0]
+    n = max(2, -(-m // rows))
+    chunks = F.pad(flat, (0, 0, 0, n * rows - m)).view(n, rows, k)
+    out = torch.bmm(chunks, weight.t().unsqueeze(0).expand(n, k, weight.shape[0])).reshape(n * rows, -1)[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (the same parameters and state-dict keys) that runs `fixed_shape_linear` while `rows` is set."""
+
+    rows: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return super().forward(x)
+        return fixed_shape_linear(x, self.weight, self.bias, self.rows)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -276,8 +312,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
         self.n_heads, d = cfg.shape.n_heads, cfg.shape.d_model
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
+        self.qkv = Linear(d, 3 * d, bias=False)
+        self.out = Linear(d, d, bias=False)
 
     def forward(self, x, rotary, mask, cache: KVCache | None, layer: int, n_commit: int):
         b, n, d = x.shape
@@ -299,9 +335,9 @@ class DiTBlock(nn.Module):
         self.norm1 = LayerNorm(d)
         self.attn = Attention(cfg)
         self.norm2 = LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+        self.mlp = nn.Sequential(Linear(d, 4 * d), nn.GELU(approximate="tanh"), Linear(4 * d, d))
         if cfg.adaln:
-            self.adaLN = nn.Linear(cfg.shape.cond_dim, 6 * d)
+            self.adaLN = Linear(cfg.shape.cond_dim, 6 * d)
             nn.init.zeros_(self.adaLN.weight)
             nn.init.zeros_(self.adaLN.bias)
         self.dropout = nn.Dropout(cfg.shape.dropout)
@@ -323,7 +359,7 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, cond_dim: int, freq_dim: int = 256) -> None:
         super().__init__()
         self.freq_dim = freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+        self.mlp = nn.Sequential(Linear(freq_dim, cond_dim), nn.SiLU(), Linear(cond_dim, cond_dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.freq_dim // 2
@@ -336,10 +372,10 @@ class FinalLayer(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
         self.norm = LayerNorm(cfg.shape.d_model)
-        self.linear = nn.Linear(cfg.shape.d_model, cfg.vocab_size)
+        self.linear = Linear(cfg.shape.d_model, cfg.vocab_size)
         layers = [self.linear]
         if cfg.adaln:
-            self.adaLN = nn.Linear(cfg.shape.cond_dim, 2 * cfg.shape.d_model)
+            self.adaLN = Linear(cfg.shape.cond_dim, 2 * cfg.shape.d_model)
             layers.append(self.adaLN)
         for layer in layers:
             nn.init.zeros_(layer.weight)
@@ -364,9 +400,29 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(shape.n_layers))
         self.final = FinalLayer(cfg)
         self.dropout = nn.Dropout(shape.dropout)
+        self._invariant_rows: int | None = None  # set inside `row_invariant`
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @contextlib.contextmanager
+    def row_invariant(self, rows: int = INVARIANT_ROWS):
+        """Within it, a batch row's outputs are those of the row alone, bit for bit, when its tensors are laid out as
+        they would be alone (same width and padding: the callers' buckets, whole multiples of 64 tokens): every linear
+        layer runs on fixed-shape chunks (`fixed_shape_linear`) and the adaLN conditioning is computed per row (or once:
+        it is the same for every row of a time-unconditional model). Attention and normalisation compute each row (and
+        head) on its own, and elementwise kernels round an element the same way wherever it sits except in the
+        vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor does not have."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.rows = rows
+        self._invariant_rows = rows
+        try:
+            yield self
+        finally:
+            self._invariant_rows = None
+            for m in linears:
+                m.rows = None
 
     def conditioning(self, batch: int, device, sigma: torch.Tensor | None = None) -> torch.Tensor | None:
         """The adaLN input c (B, cond_dim), or None without adaLN.
@@ -377,7 +433,16 @@ class DiT(nn.Module):
         if not self.cfg.adaln:
             return None
         if sigma is None or not self.cfg.time_conditioning:
+            if self._invariant_rows is not None:  # one vector for all rows, computed as for a row alone
+                return self._embed_time(torch.zeros(1, device=device)).expand(batch, -1)
             sigma = torch.zeros(batch, device=device)
+        if self._invariant_rows is not None:
+            # row by row: an elementwise kernel computes the last elements of a (B, cond_dim) tensor (its vector
+            # remainder) another way than the rest, so a row's place in the batch would change its rounding
+            return torch.cat([self._embed_time(sigma[i : i + 1]) for i in range(batch)])
+        return self._embed_time(sigma)
+
+    def _embed_time(self, sigma: torch.Tensor) -> torch.Tensor:
         cond = self.time(sigma)
         return F.silu(cond) if self.cfg.cond_silu else cond
 

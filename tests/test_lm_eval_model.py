@@ -84,11 +84,14 @@ def test_score_does_not_depend_on_padding(ckpts):
     assert [s.greedy for s in one] == [s.greedy for s in other]
     alone = [score_windows(model, [w], [s], k_mc=3, pad_id=1)[0] for w, s in zip(batch, seeds)]
     assert [s.lse for s in one] == pytest.approx([s.lse for s in alone], rel=1e-5)
-    # batch_invariant: each window as a batch of one, so bit for bit the window alone, in any order
-    assert score_windows(model, batch, seeds, k_mc=3, pad_id=0, batch_invariant=True) == alone
+    # batch_invariant: the row-invariant batched path, bit for bit the window alone (on that path), in any order,
+    # and within float rounding of the plain path's window alone
+    invariant = [score_windows(model, [w], [s], k_mc=3, pad_id=1, batch_invariant=True)[0] for w, s in zip(batch, seeds)]
+    assert score_windows(model, batch, seeds, k_mc=3, pad_id=0, batch_invariant=True) == invariant
     order = [2, 0, 3, 1]
     shuffled = score_windows(model, [batch[i] for i in order], [seeds[i] for i in order], k_mc=3, pad_id=0, batch_invariant=True)
-    assert shuffled == [alone[i] for i in order]
+    assert shuffled == [invariant[i] for i in order]
+    assert [s.lse for s in invariant] == pytest.approx([s.lse for s in alone], rel=1e-5)
 
 
 def test_scores_and_texts_are_bitwise_the_same_for_every_batch_size(ckpts):
@@ -114,7 +117,9 @@ def test_scores_and_texts_are_bitwise_the_same_for_every_batch_size(ckpts):
             runs[batch, shuffle] = ([ll[i] for i in back], [rolling[i] for i in back], [texts[i] for i in back])
     first = runs[1, False]
     for key, run in runs.items():
-        assert run == first, key
+        for part in range(3):
+            diff = [(i, a, b) for i, (a, b) in enumerate(zip(run[part], first[part])) if a != b]
+            assert not diff, (key, part, diff[:3])
 
 
 def test_choices_of_one_context_share_their_draws(ckpts):

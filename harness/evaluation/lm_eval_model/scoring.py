@@ -61,22 +61,45 @@ class _KeepARLogits:
         return logits
 
 
+# Row-invariant scoring pads a window to the next multiple of this many tokens (at most the model's length), so that
+# it has the same width alone and in any batch; windows of one width run together.
+WIDTH_BUCKET = 64
+
+
+def bucket_width(length: int, max_len: int) -> int:
+    return min(-(-length // WIDTH_BUCKET) * WIDTH_BUCKET, max(max_len, length))
+
+
 @torch.no_grad()
 def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: int, pad_id: int,
                   batch_invariant: bool = False) -> list[WindowScore]:
     """The bounds of a batch of windows; each window's result is that of the window scored alone.
 
-    Each window runs at its own length (the batch is padded, the padding invisible: `valid`) and
-    draws from its own `RowStreams` row (keyed by position, so padding changes no draw): `BlockGen.nll_bounds` on the unpadded window
-    with that generator gives the same numbers, up to float rounding that depends on the batch's
-    shapes (~1e-7 relative). `batch_invariant=True` scores each window as a batch of one, unpadded:
-    the same numbers bit for bit whatever the batch.
+    Each window draws from its own `RowStreams` row (keyed by position, so padding changes no draw) and its padding
+    is invisible (`valid`). Batched (`batch_invariant=False`, the fastest), the batch is padded to its longest window:
+    `BlockGen.nll_bounds` on the unpadded window with that generator gives the same numbers up to float rounding that
+    depends on the batch's shapes (~1e-7 relative). `batch_invariant=True` groups the windows by `bucket_width` and
+    runs each group padded to its width in the network's row-invariant mode (`DiT.row_invariant`): a window's bounds are
+    then the same bit for bit alone, in any batch and in any order.
     """
-    if batch_invariant and len(batch) > 1:
-        return [score_windows(model, [w], [s], k_mc, pad_id)[0] for w, s in zip(batch, seeds)]
+    if batch_invariant:
+        groups: dict[int, list[int]] = {}
+        for j, w in enumerate(batch):
+            groups.setdefault(bucket_width(len(w.tokens), model.config.seq_len), []).append(j)
+        out: list[WindowScore | None] = [None] * len(batch)
+        with model.dit.row_invariant():
+            for width, rows in groups.items():
+                scores = _score_padded(model, [batch[j] for j in rows], [seeds[j] for j in rows], k_mc, pad_id, width)
+                for j, score in zip(rows, scores):
+                    out[j] = score
+        return out
+    return _score_padded(model, batch, seeds, k_mc, pad_id, max(len(w.tokens) for w in batch))
+
+
+def _score_padded(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: int, pad_id: int,
+                  width: int) -> list[WindowScore]:
     device = next(model.parameters()).device
     sizes, weights = model.mixture.sizes, model.mixture.weights
-    width = max(len(w.tokens) for w in batch)
     x = torch.full((len(batch), width), pad_id, dtype=torch.long)
     valid = torch.zeros_like(x, dtype=torch.bool)
     condition = torch.zeros_like(valid)
@@ -91,16 +114,19 @@ def score_windows(model: BlockGen, batch: list[Window], seeds: list[int], k_mc: 
     dit = _KeepARLogits(model.dit)
     # per size (K_i, B), K_i = 1 at block size 1 (exact); the model picks its family's bound
     draws = [model.sequence_nll_draws(x, scored, size, k_mc, condition, generators, valid, net=dit) for size in sizes]
-    nll = torch.stack([d.mean(0) for d in draws])
-    lse, jensen = lse_bound(nll, weights), jensen_bound(nll, weights)
     log_w = torch.log(torch.tensor(weights, dtype=torch.float64, device=device))[:, None]
-    posterior = torch.softmax(log_w - nll, dim=0)  # d lse / d NLL_i
-    # exact sizes (one draw at block size 1) carry no MC error: no terms
-    terms = [[tuple((posterior[i, j] * d[:, j]).tolist()) if size > 1 else () for i, (size, d) in enumerate(zip(sizes, draws))]
-             for j in range(len(batch))]
+    bounds, terms = [], []
+    # Window by window, each from its own contiguous copy of its draws: a reduction across the columns of (K, B) and
+    # exp or log on a (M, B) tensor round a window's numbers by its column (vector lanes, the vector remainder).
+    for j in range(len(batch)):
+        column = torch.stack([d[:, j].contiguous().mean() for d in draws])[:, None]  # (M, 1): each size's NLL
+        bounds.append((lse_bound(column, weights).item(), jensen_bound(column, weights).item()))
+        posterior = torch.softmax(log_w - column, dim=0)[:, 0]  # d lse / d NLL_i
+        # exact sizes (one draw at block size 1) carry no MC error: no terms
+        terms.append([tuple((posterior[i] * d[:, j]).tolist()) if size > 1 else () for i, (size, d) in enumerate(zip(sizes, draws))])
     if dit.ar_logits is not None:
         argmax = dit.ar_logits[..., : model.prior.vocab_size].argmax(-1)  # real vocabulary only
         greedy = ((argmax == x) | ~scored).all(-1).tolist()
     else:
         greedy = [False] * len(batch)
-    return [WindowScore(a, b, g, tuple(t)) for a, b, g, t in zip(lse.tolist(), jensen.tolist(), greedy, terms)]
+    return [WindowScore(a, b, g, tuple(t)) for (a, b), g, t in zip(bounds, greedy, terms)]

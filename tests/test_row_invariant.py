@@ -1,0 +1,129 @@
+"""Bitwise batch invariance at batched speed (models/backbone.py `DiT.row_invariant`, `fixed_shape_linear`): a row's
+numbers are the same bit for bit alone, in one batch, in reversed order and in batches of 1, 7 and 16, on model
+shapes no other test uses, with 1 and 2 threads and under ATEN_CPU_CAPABILITY=avx2 (each such run in a subprocess:
+the capability is read once, at torch's import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockgen.models.backbone import ModelShape, fixed_shape_linear
+
+# Shapes of no other test (and none of SIZES): odd head counts, widths off the powers of two, a long window.
+SHAPES = {"narrow": ModelShape(n_layers=2, d_model=48, n_heads=3, cond_dim=24, dropout=0.0),
+          "wide": ModelShape(n_layers=3, d_model=160, n_heads=5, cond_dim=40, dropout=0.0)}
+VOCAB, SEQ_LEN = 57, 160
+LENGTHS = (5, 17, 33, 64, 65, 90, 128, 3, 41, 160, 12, 77, 100)  # 13 windows, on and off the 64-token buckets
+
+# Scores of the 13 windows under every batching, for one model; prints whether each equals the alone run bit for bit.
+CHECK = """
+import json, sys, torch
+from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
+from blockgen.models.backbone import ModelShape
+from blockgen.models.model import BlockGen, BlockGenConfig
+shape, prior, architecture = sys.argv[1], sys.argv[2], sys.argv[3]
+shapes = %s
+kind = {"blockgen": dict(block_sizes=(1, 16), block_weights=(0.3, 0.7)), "ar": dict(block_sizes=(1,), block_weights=(1.0,)),
+        "full_sequence": dict(block_sizes=(%d,), block_weights=(1.0,))}[architecture]
+config = BlockGenConfig(vocab_size=%d, seq_len=%d, prior=prior, shape=ModelShape(**shapes[shape]), architecture=architecture, **kind)
+torch.manual_seed(0)
+model = BlockGen(config).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+g = torch.Generator().manual_seed(1)
+lengths = %s
+windows = [Window(tuple(torch.randint(0, %d, (n,), generator=g).tolist()), max(1, n // 3)) for n in lengths]
+seeds = list(range(100, 100 + len(windows)))
+def run(order, size):
+    out = {}
+    for i in range(0, len(order), size):
+        rows = order[i : i + size]
+        for j, s in zip(rows, score_windows(model, [windows[j] for j in rows], [seeds[j] for j in rows], 3, 0, batch_invariant=True)):
+            out[j] = s
+    return [out[j] for j in range(len(windows))]
+n = len(windows)
+alone = run(list(range(n)), 1)
+runs = {"batch": run(list(range(n)), n), "reversed": run(list(reversed(range(n))), n), "7": run(list(range(n)), 7),
+        "16": run(list(range(n)), 16), "shuffled 7": run([5, 2, 12, 0, 9, 1, 7, 3, 11, 4, 8, 6, 10], 7)}
+plain = score_windows(model, windows, seeds, 3, 0)
+print(json.dumps({"equal": {k: v == alone for k, v in runs.items()},
+                  "vs_plain": max(abs(a.lse - b.lse) / abs(b.lse) for a, b in zip(alone, plain))}))
+""" % ({k: v.__dict__ for k, v in SHAPES.items()}, SEQ_LEN, VOCAB, SEQ_LEN, list(LENGTHS), VOCAB)
+
+
+def _check(shape: str, prior: str, architecture: str, **env: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHECK, shape, prior, architecture], capture_output=True, text=True,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+@pytest.mark.parametrize("k, n", [(48, 144), (160, 640), (640, 160), (1024, 256)])
+def test_a_fixed_shape_linear_row_does_not_depend_on_the_other_rows(k, n, rows):
+    torch.manual_seed(k + n)
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(700, k)
+    for start in (0, 1, 5):  # the row at the start of a chunk, and further in
+        alone = fixed_shape_linear(x[start : start + 1], weight, bias, rows)[0]
+        for m in (1, 2, rows - 1, rows, rows + 1, 3 * rows + 5, 690):
+            rows_before = min(start, 3)
+            batch = fixed_shape_linear(x[start - rows_before : start + m], weight, bias, rows)
+            assert torch.equal(batch[rows_before], alone), (start, m)
+    torch.testing.assert_close(fixed_shape_linear(x, weight, bias, rows), F.linear(x, weight, bias), rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_likelihood_bounds_are_bitwise_the_same_in_any_batch(shape, prior):
+    """13 windows of mixed lengths, a mixture of block sizes 1 and 16: alone == one batch == reversed == batches of 7
+    and 16 == a shuffled order, bit for bit; and within float rounding of the plain batched path."""
+    result = _check(shape, prior, "blockgen")
+    assert all(result["equal"].values()), result
+    assert result["vs_plain"] < 1e-5, result
+
+
+@pytest.mark.parametrize("architecture", ["ar", "full_sequence"])
+def test_the_baselines_likelihoods_are_bitwise_the_same_in_any_batch(architecture):
+    result = _check("narrow", "masked", architecture)
+    assert all(result["equal"].values()), result
+
+
+@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"},
+                                 {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"},
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}], ids=lambda e: "-".join(e.values()))
+def test_invariance_holds_on_either_kernel_and_thread_count(env):
+    result = _check("narrow", "uniform", "blockgen", **env)
+    assert all(result["equal"].values()), (env, result)
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+def test_many_short_windows_with_many_draws_are_bitwise_the_same_alone(prior):
+    """16 short windows (4-11 tokens, one width bucket) at K_MC = 8, six draws of them: each window's bounds and MC
+    terms alone equal those in the batch (the mean over draws and the bounds were once taken across the batch's
+    columns, which rounds by a window's column)."""
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
+    from blockgen.models.model import BlockGen, BlockGenConfig
+
+    config = BlockGenConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, prior=prior, shape=SHAPES["narrow"], block_sizes=(1, 16),
+                            block_weights=(0.4, 0.6))
+    torch.manual_seed(1)
+    model = BlockGen(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    for trial in range(6):
+        g = torch.Generator().manual_seed(trial)
+        lengths = torch.randint(4, 12, (16,), generator=g).tolist()
+        windows = [Window(tuple(torch.randint(0, VOCAB, (n,), generator=g).tolist()), n - 1) for n in lengths]
+        seeds = torch.randint(0, 2**62, (16,), generator=g).tolist()
+        together = score_windows(model, windows, seeds, 8, 0, batch_invariant=True)
+        alone = [score_windows(model, [w], [s], 8, 0, batch_invariant=True)[0] for w, s in zip(windows, seeds)]
+        assert together == alone, trial
