@@ -7,7 +7,7 @@ For the micro and tiny shapes (random weights: timing only): `generate()` tokens
 and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
 - batched: `batch_invariant=False`, the fastest;
 - invariant: `batch_invariant=True` (likelihoods: windows grouped by width and batched in the network's row-invariant
-  mode; generation: still row by row);
+  mode; generation: the batch in that mode with a KV cache);
 - row by row: every row as a batch of one;
 and the ratios of their times to the batched one's. The variants run round-robin, best of --repeats, so load from
 other processes hits each alike. It checks that the invariant path's row 0 is its batch-1 result bit for bit.

@@ -308,6 +308,67 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+class InvariantKeys(NamedTuple):
+    """A cached call's keys as `row_invariant_attention` reads them, gathered once per call for every layer: `order`
+    (B, S) puts each row's visible keys first, in slot order (a row of a batch sits behind padding it lacks alone);
+    `bias` (B, 1, n, capacity) is the mask in that order as 0 / -inf, padded to the capacity. Every query sees at
+    least one key (`dense_mask`: a padding query sees itself), so no softmax row is empty."""
+
+    order: torch.Tensor
+    bias: torch.Tensor
+    capacity: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, capacity: int) -> "InvariantKeys":
+        b, _, n, s = mask.shape
+        if s > capacity:
+            raise ValueError(f"{s} keys exceed the row-invariant attention's capacity {capacity}")
+        # keys a query of the row sees, leaving out a query that sees only itself (`dense_mask` lets a padding query
+        # see itself; a real token that sees only itself is seen by the later ones too)
+        only_itself = mask.sum(-1, keepdim=True) == 1
+        visible = (mask & ~only_itself).any(dim=2)[:, 0]  # (B, S)
+        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)
+        allowed = F.pad(mask.gather(3, order[:, None, None, :].expand(b, 1, n, s)), (0, capacity - s))
+        bias = torch.zeros(allowed.shape, device=mask.device).masked_fill_(~allowed, -torch.inf)
+        return cls(order, bias, capacity)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Keys or values (B, H, S, D) in the rows' order, padded with zeros to the capacity. A key no query sees gets
+        weight 0 exactly, and its value is finite (padding tokens attend to themselves), so it adds exactly 0."""
+        b, h, s, d = t.shape
+        return F.pad(t.gather(2, self.order[:, None, :, None].expand(b, h, s, d)), (0, 0, 0, self.capacity - s))
+
+
+def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys, rows: int) -> torch.Tensor:
+    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch: the keys in
+    `keys`' order and capacity, and every product a batch of fixed-shape (rows x D) x (D x capacity) and
+    (rows x capacity) x (capacity x D) matrices (`fixed_shape_linear`'s argument), at least two of them."""
+    b, h, n, d = q.shape
+    capacity, pairs = keys.capacity, b * h
+    ks, vs = keys.gather(k).reshape(pairs, capacity, d), keys.gather(v).reshape(pairs, capacity, d)
+    if pairs == 1:  # a batched GEMM of one matrix is dispatched to the plain one, which rounds otherwise
+        ks, vs = ks.expand(2, capacity, d), vs.expand(2, capacity, d)
+    q = q * (1.0 / math.sqrt(d))
+    kt = ks.transpose(1, 2)
+    out = []
+    for start in range(0, n, rows):
+        pad = rows - min(rows, n - start)
+        chunk = F.pad(q[:, :, start : start + rows], (0, 0, 0, pad)).reshape(pairs, rows, d)
+        bias = F.pad(keys.bias[:, :, start : start + rows], (0, 0, 0, pad))  # padding query rows: all 0, finite
+        if pairs == 1:
+            chunk = chunk.expand(2, rows, d)
+        scores = torch.bmm(chunk, kt)[:pairs].view(b, h, rows, capacity) + bias
+        weights = scores.softmax(-1).reshape(pairs, rows, capacity)
+        if pairs == 1:
+            weights = weights.expand(2, rows, capacity)
+        out.append(torch.bmm(weights, vs)[:pairs].view(b, h, rows, d))
+    return torch.cat(out, dim=2)[:, :, :n]
+
+
+# The chunk of query rows of `row_invariant_attention`: a block of L' = 16 is one chunk
+INVARIANT_QUERY_ROWS = 16
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
@@ -321,7 +382,9 @@ class Attention(nn.Module):
         q, k = rotate(q, rotary), rotate(k, rotary)
         if cache is not None:
             k, v = cache.attend(layer, k, v)
-        if isinstance(mask, torch.Tensor):
+        if isinstance(mask, InvariantKeys):  # a cached call in the row-invariant mode (DiT.row_invariant)
+            y = row_invariant_attention(q, k, v, mask, INVARIANT_QUERY_ROWS)
+        elif isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = compiled_flex_attention()(q, k, v, block_mask=mask)
@@ -401,6 +464,8 @@ class DiT(nn.Module):
         self.final = FinalLayer(cfg)
         self.dropout = nn.Dropout(shape.dropout)
         self._invariant_rows: int | None = None  # set inside `row_invariant`
+        # keys a cached call attends to in the row-invariant mode: the sequence and the longest call beyond it
+        self.invariant_capacity = -(-(cfg.max_len + 128) // 64) * 64
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -449,6 +514,8 @@ class DiT(nn.Module):
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None, n_commit: int, n_out: int,
              sigma: torch.Tensor | None = None):
         cond = self.conditioning(tokens.shape[0], tokens.device, sigma)
+        if cache is not None and self._invariant_rows is not None:  # the keys' order, once for every layer
+            mask = InvariantKeys.of(mask, self.invariant_capacity)
         x = self.dropout(self.embed(tokens))
         rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):

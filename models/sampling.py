@@ -42,8 +42,8 @@ ignores it). Categorical draws are float64 (`sample_categorical`).
 Randomness. Row i of a batch draws everything (prior samples, posterior draws, proposals,
 re-noising) from its own counter-based stream (`diffusion.RowStreams`), seeded `seeds[i]` when `generate`
 is given `seeds`, else `config.seed + i`. With `seeds` and `batch_invariant=True`, a row's text is
-bit for bit the same alone or in any batch: each row runs as a batch of one, so the network sees the
-same shapes and the CPU's kernels round the same way. Batched (`batch_invariant=False`), float
+bit for bit the same alone or in any batch: the network runs in its row-invariant mode, where no
+kernel sees a shape or a layout that depends on the other rows. Batched (`batch_invariant=False`), float
 rounding that depends on the batch shape (~1e-7 in the logits) can still change a row: a uniform
 landing that close to a boundary of an inverse-CDF draw, or two informed-step scores that close to
 each other at the cut (measured on random micro models: 2 of 1,024 row samples differed).
@@ -564,11 +564,10 @@ def generate(
     with the number of tokens it added per row (at most); `trace(block, step, z)` after every
     reverse step (tests).
 
-    `batch_invariant=True` runs every row as a batch of one, with its own unpadded tensors: the
-    network then sees the same shapes whatever the batch, so the CPU's matrix kernels (which block
-    and order their sums by shape) compute the row bit for bit as they would alone. Costs one call
-    per row instead of one per batch (bench/README.md, "Batch invariance"); model_calls and
-    n_blocks are then summed over the rows.
+    `batch_invariant=True` runs the batch in the network's row-invariant mode (`DiT.row_invariant`: fixed-shape
+    matrix products, each row's keys gathered to the front of a fixed capacity), so a row's text is bit for bit the
+    one it gets alone, in any batch and order (bench/README.md, "Batch invariance", for the cost). Without a cache or
+    with `compile`, it runs every row as a batch of one instead (model_calls and n_blocks then summed over the rows).
 
     `static_shapes=True` attends to the whole preallocated KV cache (unwritten slots masked), so every
     call of a block size has the same tensor shapes, as a captured CUDA graph needs; the default
@@ -612,7 +611,11 @@ def generate(
             f"exceeds the model's seq_len {model.config.seq_len}; truncate prompts to "
             f"{max_prompt_len(model.config, replace(config, max_new_tokens=limits[r]))} tokens or ask for fewer new tokens"
         )
-    if batch_invariant and n > 1:
+    if batch_invariant and use_cache and not compile:  # the batch in the network's row-invariant mode
+        with model.dit.row_invariant():
+            return generate(model, prompts, config, eos_id, pad_id, stop, seeds=seeds, max_new_tokens=limits, use_cache=True,
+                            validate=False, progress=progress, trace=trace, static_shapes=static_shapes)
+    if batch_invariant and n > 1:  # without a cache, or compiled: row by row
         rows = [generate(model, [p], config, eos_id, pad_id, [s], seeds=[seed], max_new_tokens=[limit], use_cache=use_cache,
                          validate=False, progress=progress, trace=trace, static_shapes=static_shapes, compile=compile)
                 for p, s, seed, limit in zip(prompts, stops, seeds, limits)]

@@ -96,6 +96,7 @@ def test_the_baselines_likelihoods_are_bitwise_the_same_in_any_batch(architectur
     assert all(result["equal"].values()), result
 
 
+@pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores (5x slower, measured)
 @pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"},
                                  {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"},
                                  {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}], ids=lambda e: "-".join(e.values()))
@@ -110,15 +111,8 @@ def test_many_short_windows_with_many_draws_are_bitwise_the_same_alone(prior):
     terms alone equal those in the batch (the mean over draws and the bounds were once taken across the batch's
     columns, which rounds by a window's column)."""
     from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
-    from blockgen.models.model import BlockGen, BlockGenConfig
 
-    config = BlockGenConfig(vocab_size=VOCAB, seq_len=SEQ_LEN, prior=prior, shape=SHAPES["narrow"], block_sizes=(1, 16),
-                            block_weights=(0.4, 0.6))
-    torch.manual_seed(1)
-    model = BlockGen(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    model = _random_model(prior)
     for trial in range(6):
         g = torch.Generator().manual_seed(trial)
         lengths = torch.randint(4, 12, (16,), generator=g).tolist()
@@ -127,3 +121,109 @@ def test_many_short_windows_with_many_draws_are_bitwise_the_same_alone(prior):
         together = score_windows(model, windows, seeds, 8, 0, batch_invariant=True)
         alone = [score_windows(model, [w], [s], 8, 0, batch_invariant=True)[0] for w, s in zip(windows, seeds)]
         assert together == alone, trial
+
+
+def _random_model(prior: str, vocab: int = VOCAB):
+    from blockgen.models.model import BlockGen, BlockGenConfig
+
+    config = BlockGenConfig(vocab_size=vocab, seq_len=SEQ_LEN, prior=prior, shape=SHAPES["narrow"], block_sizes=(1, 16),
+                            block_weights=(0.3, 0.7))
+    torch.manual_seed(0)
+    model = BlockGen(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+PROMPT_LENGTHS = (5, 17, 33, 40, 16, 21, 3, 9, 48, 12, 30, 7, 1)  # 13 requests, on and off the 16-token grid
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _sampler_names() -> list[str]:
+    from blockgen.models import samplers
+
+    return list(samplers.names())
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("name", _sampler_names())
+def test_texts_are_bitwise_the_same_in_any_batch(name, prior):
+    """Every registered sampler, both priors, 13 prompts of mixed lengths with mixed budgets: each text alone equals
+    it in one batch, in reversed order and in batches of 7 and 16 (`generate(batch_invariant=True)`, the batch in the
+    row-invariant mode)."""
+    assert texts_in_every_batching(name, prior)
+
+
+@pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores
+@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"},
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}], ids=lambda e: "-".join(e.values()))
+def test_texts_are_invariant_on_either_kernel_and_thread_count(env):
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_row_invariant as t\n"
+              "print([t.texts_in_every_batching(n, p) for n, p in (('arpc', 'uniform'), ('ancestral', 'masked'), ('ar_sample', 'masked'))])")
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], capture_output=True, text=True,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["[True,", "True,", "True]"], (env, done.stdout)
+
+
+def texts_in_every_batching(name: str, prior: str) -> bool:
+    """Whether the 13 texts alone equal those in one batch, in reversed order and in batches of 7 and 16."""
+    from blockgen.models.sampler_config import SamplerConfig
+    from blockgen.models.sampling import generate
+
+    model, prompts = _random_model(prior), _prompts(VOCAB)
+    config = SamplerConfig(name, steps=4, ge=2, max_new_tokens=64, temperature=0.9)
+    seeds, budgets = list(range(200, 213)), [20 + 3 * i for i in range(13)]
+
+    def texts(order: list[int], size: int) -> list[list[int]]:
+        out = {}
+        for i in range(0, len(order), size):
+            rows = order[i : i + size]
+            result = generate(model, [prompts[j] for j in rows], config, -1, 0, seeds=[seeds[j] for j in rows],
+                              max_new_tokens=[budgets[j] for j in rows], batch_invariant=True)
+            out.update(zip(rows, result.tokens))
+        return [out[j] for j in range(len(prompts))]
+
+    alone = texts(list(range(13)), 1)
+    return all(texts(order, size) == alone for order, size in ((list(range(13)), 13), (list(reversed(range(13))), 13),
+                                                               (list(range(13)), 7), (list(range(13)), 16)))
+
+
+@pytest.mark.parametrize("prior", ["masked", "uniform"])
+@pytest.mark.parametrize("name", ["arpc", "ar_sample", "low_confidence"])
+def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, prior):
+    """The sensitive check under the texts: the logits of every model call of rows 0, 6 and 12, alone and in the batch
+    of 13 (equal budgets in whole blocks and no EOS, so the rows keep their places), equal bit for bit; the plain batched path's
+    differ (so the comparison can see a difference)."""
+    from blockgen.models.sampler_config import SamplerConfig
+    from blockgen.models.sampling import generate
+
+    model, prompts = _random_model(prior, vocab=500), _prompts(500)
+    # whole blocks after each prompt: every row needs the same blocks, none leaves the batch before the others
+    config = SamplerConfig(name, steps=4, ge=2, max_new_tokens=40, temperature=0.9, layout="prompt_end")
+    calls: list[torch.Tensor] = []
+    forward = model.dit.forward_cached
+
+    def recorded(*args, **kwargs):
+        logits = forward(*args, **kwargs)
+        calls.append(logits.detach().clone())
+        return logits
+
+    model.dit.forward_cached = recorded
+
+    def logits(rows: list[int], invariant: bool = True) -> list[torch.Tensor]:
+        calls.clear()
+        generate(model, [prompts[j] for j in rows], config, -1, 0, seeds=[200 + j for j in rows], batch_invariant=invariant)
+        return list(calls)
+
+    together, plain = logits(list(range(13))), logits(list(range(13)), invariant=False)
+    for j in (0, 6, 12):
+        alone = logits([j])
+        assert len(alone) == len(together)
+        assert all(torch.equal(a[0], b[j]) for a, b in zip(alone, together)), j
+        assert not all(torch.equal(a[0], b[j]) for a, b in zip(alone, plain)), j

@@ -45,11 +45,10 @@ class BlockGenLMArgs:
     # matmuls during this model's calls (opt-in: not measured on a GPU; docs/lm_eval.md, "Evaluation cost and precision").
     dtype: str = "float32"
     tf32: bool = False
-    # Each row computed as a batch of one, so a score or a text is bit for bit the same whatever
-    # --batch_size and the other rows (`generate`'s batch_invariant). None: log-likelihoods on a CPU
-    # only (1.0-1.45x their batched cost there); generation stays batched (row by row costs it 3-12x
-    # at batch 8-32 on a CPU, and about batch-size times the calls on CUDA, where a call costs about the
-    # same at batch 1 and 64): docs/lm_eval.md, "Batch invariance".
+    # Batches in the network's row-invariant mode (models/backbone.py, `DiT.row_invariant`), so a score or a text is
+    # bit for bit the same whatever --batch_size and the other rows. None: log-likelihoods on a CPU only (about the
+    # fastest path's cost there at batch 8-32); generation stays on the fastest path (the invariant one costs it
+    # 1.5-3.2x on a CPU): bench/README.md and docs/lm_eval.md, "Batch invariance".
     batch_invariant: bool | None = None
     # Rows per generate_until batch; None: --batch_size (which, as in lm-eval's hf backend, sizes the
     # log-likelihood batches). A positive integer; 'auto' is --batch_size's (leave this unset for it).

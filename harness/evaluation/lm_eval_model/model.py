@@ -175,8 +175,8 @@ class BlockGenLM(TemplateLM):
 
     @property
     def batch_invariant(self) -> dict[str, bool]:
-        """Per kind of request, whether rows run one by one (the `batch_invariant` model argument;
-        unset: log-likelihoods on a CPU only)."""
+        """Per kind of request, whether its batches run in the network's row-invariant mode (the `batch_invariant`
+        model argument; unset: log-likelihoods on a CPU only, where it costs about as much as the fastest path)."""
         chosen = self.args.batch_invariant
         return {"likelihood": self._device.type != "cuda" if chosen is None else chosen,
                 "generation": bool(chosen)}
