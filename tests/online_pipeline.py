@@ -106,17 +106,23 @@ def environment(out: Path, endpoint: str, phase: str) -> dict[str, str]:
     return env
 
 
-def make_command(path: OnlinePath, runs: Path) -> list[str]:
+# owt_genppl's scorer in process (transformers) instead of a vLLM server: what CI's test runs (the same download of
+# gpt2-large from the hub, without two server start-ups)
+IN_PROCESS_SCORER = {"EVAL_ARGS": """--metadata '{"scorer": "transformers"}'"""}
+
+
+def make_command(path: OnlinePath, runs: Path, models: str = MODELS, more: dict[str, str] | None = None) -> list[str]:
     variables = {**EVALUATION, **path.variables, "RUNS": str(runs), path.leaderboard: str(runs / "leaderboard.json"),
-                 "TRAIN_ARGS": f"--data.cache-dir {runs / 'data'}"}  # the prepared data of this run only
+                 "TRAIN_ARGS": f"--data.cache-dir {runs / 'data'}", **(more or {})}  # the prepared data of this run only
+    variables.update({k: models for k in variables if k.startswith("MODELS_")})
     return ["make", "--no-print-directory", *path.targets, *(f"{k}={v}" for k, v in variables.items())]
 
 
-def run_path(name: str, out: Path, endpoint: str, phase: str) -> float:
+def run_path(name: str, out: Path, endpoint: str, phase: str, models: str = MODELS, more: dict[str, str] | None = None) -> float:
     """One path's make targets in one phase; its output in OUT/PHASE/NAME.log. Returns its wall seconds."""
     runs = out / phase / name
     runs.mkdir(parents=True, exist_ok=True)
-    command = make_command(PATHS[name], runs)
+    command = make_command(PATHS[name], runs, models, more)
     log = out / phase / f"{name}.log"
     print(f"{phase} {name}: {' '.join(command)} (log: {log})", flush=True)
     start = time.monotonic()
@@ -169,9 +175,10 @@ def compare_weights(online: Path, offline: Path) -> int:
     return len(a)
 
 
-def run_check(names: list[str], out: Path) -> dict:
+def run_check(names: list[str], out: Path, models: str = MODELS, more: dict[str, str] | None = None) -> dict:
     """Every path online against a fresh stand-in, then offline with it stopped; the leaderboards compared; no
-    connection beyond the machine. Returns (and writes to OUT/summary.json) each path's times and comparison."""
+    connection beyond the machine. Returns (and writes to OUT/summary.json) each path's times and comparison.
+    `models`: the grids' models each path trains or evaluates (space-separated); `more`: more make variables."""
     from blockgen.harness.checkpoints.hub_standin import HubStandin
     from blockgen.harness.data.hub_standin_repos import write_tiny_hub
 
@@ -186,9 +193,9 @@ def run_check(names: list[str], out: Path) -> dict:
     with HubStandin(out / "hub") as standin:
         endpoint = standin.endpoint
         for name in names:
-            summary["paths"][name] = {"online_seconds": round(run_path(name, out, endpoint, "online"), 1)}
+            summary["paths"][name] = {"online_seconds": round(run_path(name, out, endpoint, "online", models, more), 1)}
     for name in names:  # the stand-in is stopped: anything not in the cache fails instead of being fetched
-        summary["paths"][name]["offline_seconds"] = round(run_path(name, out, endpoint, "offline"), 1)
+        summary["paths"][name]["offline_seconds"] = round(run_path(name, out, endpoint, "offline", models, more), 1)
         summary["paths"][name].update(compare_boards(out / "online" / name / "leaderboard.json",
                                                      out / "offline" / name / "leaderboard.json"))
     for phase in ("online", "offline"):  # the phases' release conversions went to their own caches
@@ -205,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="the check's folder (hub, caches, runs, logs, summary.json)")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    parser.add_argument("--models", default=MODELS, help=f"the grids' models per path, space-separated (default: {MODELS!r})")
     args = parser.parse_args(argv)
-    summary = run_check(args.paths, args.out)
+    summary = run_check(args.paths, args.out, args.models)
     for name, result in summary["paths"].items():
         print(f"{name:15s} online {result['online_seconds']:6.1f} s  offline {result['offline_seconds']:6.1f} s  "
               f"{result['rows']} rows, largest relative difference {result['max_relative_difference']:.1e}")

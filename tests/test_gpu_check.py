@@ -89,6 +89,11 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
     for r in generated:
         assert r["tokens"] == r["batch"] * CPU_SCALE.new_tokens and r["tokens_per_s"] > 0
     assert next(r for r in generated if r["sampler"] == "arpc")["paper_nfe_per_block"] == 8
+    # batch_invariant=True at the largest batch: its cost measured, and three rows with their alone tokens
+    invariance = summary["stages"]["generate"]["batch_invariance"]
+    assert [r["sampler"] for r in invariance] == ["ancestral", "ar_greedy"]
+    for r in invariance:
+        assert r["batch"] == 8 and r["rows_checked"] == [0, 4, 7] and r["rows_same_alone"] == 3 and r["cost"] > 0
 
     lm_eval = summary["stages"]["lm_eval"]
     assert 0.0 <= lm_eval["metrics"]["exact_match,sandbox"] <= 1.0 and Path(lm_eval["results"]).is_file()
@@ -256,7 +261,9 @@ def test_a_tiny_budget_truncates_every_stage_before_its_first_run(tmp_path):
     summary = run_gpu_check(GpuCheckConfig(out_dir=str(tmp_path), device="cpu", stages=("train", "generate"), budget_s=1e-9))
     train, generate = summary["stages"]["train"], summary["stages"]["generate"]
     assert train["runs"] == [] and train["not_run"] == ["masked x 2", "masked x 4", "uniform x 2", "uniform x 4"]
-    assert generate["runs"] == [] and len(generate["not_run"]) == 3 * len(CPU_SCALE.generate_batches)
+    # three samplers at each batch, and the two batch-invariance runs
+    assert generate["runs"] == [] and len(generate["not_run"]) == 3 * len(CPU_SCALE.generate_batches) + 2
+    assert generate["not_run"][-2:] == ["ancestral batch 8 batch_invariant", "ar_greedy batch 8 batch_invariant"]
     assert "budget" in train["truncated"] and "budget" in generate["truncated"]
     # on a CPU a truncated stage is not a failure; nothing measured: no rates file
     assert summary["status"] == {"train": "truncated", "generate": "truncated"} and summary["ok"] and summary["rates"] is None

@@ -1,6 +1,6 @@
 """The full-scale path online (tests/online_pipeline.py): in CI, `make eval-released-owt` without OFFLINE=1 against the
-hub stand-in, the cheapest path that downloads a dataset (OWT's parquet export), a tokenizer (gpt2), the scorer (gpt2-large,
-served by vLLM by its hub name) and releases (jdeschena/blockgen); then the same run offline from the hub cache with the
+hub stand-in, the cheapest path that downloads a dataset (OWT's parquet export), a tokenizer (gpt2), the scorer (gpt2-large)
+and a release (jdeschena/blockgen); then the same run offline from the hub cache with the
 stand-in stopped, and the two leaderboards equal. `make online-check` runs all four paths (docs/pipeline.md)."""
 
 from __future__ import annotations
@@ -25,17 +25,20 @@ needs_fixtures = pytest.mark.skipif(not (online_pipeline.FIXTURES / "released-gp
 
 @needs_fixtures
 def test_released_owt_online_then_offline_from_the_cache_gives_the_same_leaderboard(tmp_path):
-    """About 70 s on 2 cores (two runs of a 16-setting sweep with a vLLM server each): the online path CI covers."""
-    summary = online_pipeline.run_check(["released-owt"], tmp_path)
+    """About 45 s on 2 cores (two runs of a 5-setting sweep): the online path CI covers, with the paper's main release
+    and the scorer in process (`make online-check` runs two releases per path and the vLLM server by the hub's name)."""
+    summary = online_pipeline.run_check(["released-owt"], tmp_path, models="masked-mix", more=online_pipeline.IN_PROCESS_SCORER)
     result = summary["paths"]["released-owt"]
-    assert result["rows"] == 26 and result["max_relative_difference"] == 0.0, result  # 8 settings x their metrics
+    assert result["rows"] == 16 and result["max_relative_difference"] == 0.0, result  # 5 settings x their metrics
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     # datasets fetched OWT online and read its cache offline
     assert "offline mode is enabled" not in (tmp_path / "online" / "released-owt.log").read_text()
     assert "offline mode is enabled" in (tmp_path / "offline" / "released-owt.log").read_text()
     board = read(tmp_path / "online" / "released-owt" / "leaderboard.json")
-    assert {r.model for r in board.rows} == {"hf:jdeschena/blockgen/baselines/owt/ar",
-                                             "hf:jdeschena/blockgen/blockgen/multi_block_size/16/owt/0.05_0.95/absorb"}
+    assert {r.model for r in board.rows} == {"hf:jdeschena/blockgen/blockgen/multi_block_size/16/owt/0.05_0.95/absorb"}
+    assert summary["weights_compared"] == 1  # the release's conversion, byte-identical online and offline
+    cached = {p.name for p in (tmp_path / "hf" / "hub").iterdir()}  # what the online phase downloaded
+    assert {"datasets--Skylion007--openwebtext", "models--gpt2", "models--gpt2-large", "models--jdeschena--blockgen"} <= cached
     assert {r.task for r in board.rows} == {"owt_ppl", "owt_genppl"}
 
 

@@ -5,7 +5,9 @@ offline ones) and, on a GPU, at 64; no EOS, so every row makes all its tokens; f
 sweep's default. GPU: AR greedy and ARPC also with `compile=True` (the calls compiled and replayed as
 CUDA graphs), side by side with eager runs made just before (`graphs`: ms per call, tokens/s, speed-up,
 compile time, rows whose tokens match eager). CPU: not measured (compiling takes minutes there, and a
-CPU has no CUDA graphs).
+CPU has no CUDA graphs). `batch_invariance`: ancestral and AR greedy at the largest batch on the fastest path and with
+`batch_invariant=True` (the cost), and whether three rows keep their alone tokens in the batch (on a GPU this is the
+first measurement of the row-invariant mode under cuBLAS: docs/lm_eval.md, "Batch invariance").
 """
 
 from __future__ import annotations
@@ -48,6 +50,37 @@ def _graph_run(model, prompts: list[list[int]], sampler_config, device: str) -> 
         "eager_tokens_per_s": tokens / eager_s, "compiled_tokens_per_s": tokens / compiled_s, "speedup": eager_s / compiled_s,
         "rows_same_tokens": sum(a == b for a, b in zip(eager.tokens, compiled.tokens)),
     }
+
+
+# batch_invariant=True against the fastest path, at the stage's largest batch (64 on a GPU): its cost, and whether
+# rows keep their alone results bit for bit (docs/lm_eval.md, "Batch invariance"; bench/README.md for the CPU figures)
+INVARIANCE_SAMPLERS = ("ancestral", "ar_greedy")
+
+
+def _invariance_run(model, prompts: list[list[int]], sampler_config, device: str) -> dict:
+    """Seconds of the batch on the fastest path and in the row-invariant mode (per-row seeds), and how many of rows
+    0, middle and last keep, in the batch, the tokens they get alone in the invariant mode."""
+    from blockgen.models.sampling import generate
+
+    seeds = list(range(len(prompts)))
+
+    def timed(rows: list[int], invariant: bool):
+        sync(device)
+        start = time.perf_counter()
+        result = generate(model, [prompts[i] for i in rows], sampler_config, eos_id=-1, pad_id=0,
+                          seeds=[seeds[i] for i in rows], batch_invariant=invariant)
+        sync(device)
+        return result, time.perf_counter() - start
+
+    everyone = list(range(len(prompts)))
+    fastest, fastest_s = timed(everyone, False)
+    invariant, invariant_s = timed(everyone, True)
+    checked = sorted({0, len(prompts) // 2, len(prompts) - 1})
+    same = sum(timed([i], True)[0].tokens[0] == invariant.tokens[i] for i in checked)
+    tokens = sum(len(t) for t in fastest.tokens)
+    return {"batch": len(prompts), "fastest_tokens_per_s": tokens / fastest_s, "invariant_tokens_per_s": tokens / invariant_s,
+            "cost": invariant_s / fastest_s, "rows_checked": checked, "rows_same_alone": same,
+            "fastest_rows_same": sum(a == b for a, b in zip(fastest.tokens, invariant.tokens))}
 
 
 def _row_streams_match(device: str) -> bool:
@@ -112,6 +145,20 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path,
                         graph_row.update(_graph_run(built[model_name], prompts, sampler_config, device))
                     except Exception as err:  # noqa: BLE001 - a failing compile is a finding: the row says so
                         graph_row["error"] = row["error"] = f"compile=True: {type(err).__name__}: {str(err)[:500]}"
+    invariance = []
+    with sweep_tf32(device):
+        for sampler in INVARIANCE_SAMPLERS:
+            model_name, sampler_config = samplers[sampler]
+            if not budget.allows():
+                not_run.append(f"{sampler} batch {max(batches)} batch_invariant")
+                continue
+            run: dict = {"sampler": sampler}
+            invariance.append(run)
+            try:
+                prompts = torch.randint(0, scale.vocab_size, (max(batches), scale.prompt_len), generator=gen).tolist()
+                run.update(_invariance_run(built[model_name], prompts, replace(sampler_config, max_new_tokens=scale.new_tokens), device))
+            except Exception as err:  # noqa: BLE001 - a failing mode is a finding: the row says so
+                run["error"] = f"{type(err).__name__}: {str(err)[:500]}"
     if cuda:
         graphs: dict = {"measured": True, "mode": "reduce-overhead (CUDA graphs)", "runs": graph_rows}
         torch._dynamo.reset()  # the graphs and their memory pools go with the models
@@ -120,7 +167,8 @@ def stage_generate(config: GpuCheckConfig, device: str, scale: Scale, out: Path,
                   "a CPU, which has no CUDA graphs); `make gpu-check` on a GPU measures it"}
     del built
     free_memory(device)
-    result = {"size": scale.size, "prompt_len": scale.prompt_len, "precision": "float32", "runs": rows, "graphs": graphs}
+    result = {"size": scale.size, "prompt_len": scale.prompt_len, "precision": "float32", "runs": rows, "graphs": graphs,
+              "batch_invariance": invariance}
     if cuda:
         result["row_streams_same_as_cpu"] = _row_streams_match(device)
         if not result["row_streams_same_as_cpu"]:
