@@ -115,7 +115,11 @@ def make_command(path: OnlinePath, runs: Path, models: str = MODELS, more: dict[
     variables = {**EVALUATION, **path.variables, "RUNS": str(runs), path.leaderboard: str(runs / "leaderboard.json"),
                  "TRAIN_ARGS": f"--data.cache-dir {runs / 'data'}", **(more or {})}  # the prepared data of this run only
     variables.update({k: models for k in variables if k.startswith("MODELS_")})
-    return ["make", "--no-print-directory", *path.targets, *(f"{k}={v}" for k, v in variables.items())]
+    # the environment this check runs in (an ordinary user's copy of it, under tests/run_unprivileged.sh), taken as
+    # installed: `-o` keeps make from reinstalling it
+    venv = Path(sys.executable).parent.parent
+    return ["make", "--no-print-directory", "-o", f"{venv}/.installed", *path.targets, f"VENV={venv}",
+            *(f"{k}={v}" for k, v in variables.items())]
 
 
 def run_path(name: str, out: Path, endpoint: str, phase: str, models: str = MODELS, more: dict[str, str] | None = None) -> float:
