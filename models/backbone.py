@@ -464,14 +464,13 @@ class DiT(nn.Module):
         self.final = FinalLayer(cfg)
         self.dropout = nn.Dropout(shape.dropout)
         self._invariant_rows: int | None = None  # set inside `row_invariant`
-        # keys a cached call attends to in the row-invariant mode: the sequence and the longest call beyond it
-        self.invariant_capacity = -(-(cfg.max_len + 128) // 64) * 64
+        self._invariant_capacity = 0  # keys a cached call attends to in the row-invariant mode
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     @contextlib.contextmanager
-    def row_invariant(self, rows: int = INVARIANT_ROWS):
+    def row_invariant(self, rows: int = INVARIANT_ROWS, beyond: int = 128):
         """Within it, a batch row's outputs are those of the row alone, bit for bit, when its tensors are laid out as
         they would be alone (same width and padding: the callers' buckets, whole multiples of 64 tokens): every linear
         layer runs on fixed-shape chunks (`fixed_shape_linear`) and the adaLN conditioning is computed per row (or once:
@@ -482,6 +481,8 @@ class DiT(nn.Module):
         for m in linears:
             m.rows = rows
         self._invariant_rows = rows
+        # a cached call's keys: the sequence and up to `beyond` slots past it (the caller's longest call), whole vectors
+        self._invariant_capacity = -(-(self.cfg.max_len + beyond) // 16) * 16
         try:
             yield self
         finally:
@@ -515,7 +516,7 @@ class DiT(nn.Module):
              sigma: torch.Tensor | None = None):
         cond = self.conditioning(tokens.shape[0], tokens.device, sigma)
         if cache is not None and self._invariant_rows is not None:  # the keys' order, once for every layer
-            mask = InvariantKeys.of(mask, self.invariant_capacity)
+            mask = InvariantKeys.of(mask, self._invariant_capacity)
         x = self.dropout(self.embed(tokens))
         rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):

@@ -612,7 +612,8 @@ def generate(
             f"{max_prompt_len(model.config, replace(config, max_new_tokens=limits[r]))} tokens or ask for fewer new tokens"
         )
     if batch_invariant and use_cache and not compile:  # the batch in the network's row-invariant mode
-        with model.dit.row_invariant():
+        # the cache never holds more than the sequence and two blocks (`capacity` below)
+        with model.dit.row_invariant(beyond=2 * block_size):
             return generate(model, prompts, config, eos_id, pad_id, stop, seeds=seeds, max_new_tokens=limits, use_cache=True,
                             validate=False, progress=progress, trace=trace, static_shapes=static_shapes)
     if batch_invariant and n > 1:  # without a cache, or compiled: row by row
