@@ -476,7 +476,9 @@ class DiT(nn.Module):
         layer runs on fixed-shape chunks (`fixed_shape_linear`) and the adaLN conditioning is computed per row (or once:
         it is the same for every row of a time-unconditional model). Attention and normalisation compute each row (and
         head) on its own, and elementwise kernels round an element the same way wherever it sits except in the
-        vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor does not have."""
+        vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor does not have. A cached call's
+        attention (`row_invariant_attention`) runs over the model's length plus `beyond` key slots (generation: two
+        blocks, the most its cache holds past the sequence)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             m.rows = rows
