@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hub_client import client_env  # tests/ is this script's folder, on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES", REPO.parent / "shared" / "data"))  # released/, released-gpt2/
 MODELS = "ar masked-mix"  # the AR baseline and the paper's main model, in every path
@@ -55,55 +57,12 @@ PATHS = {
                                  "LEADERBOARD_RELEASED_GSM"),
 }
 
-SOCKET_GUARD = '''"""Written by tests/online_pipeline.py: TCP connections leave this machine only over the loopback or to its own
-addresses; any other is refused and logged to $BLOCKGEN_SOCKET_LOG. (A UDP connect sends nothing: libraries use it to
-learn their own address.)"""
-import ipaddress, os, socket
-
-_connect = socket.socket.connect
-_own = set()
-
-
-def _local(host):
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        return host == "localhost"
-    if not _own:
-        try:
-            _own.update(socket.gethostbyname_ex(socket.gethostname())[2])
-        except OSError:
-            pass
-    return host in _own
-
-
-def _guarded(sock, address):
-    if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM and not _local(str(address[0])):
-        with open(os.environ["BLOCKGEN_SOCKET_LOG"], "a") as log:
-            log.write(f"{os.getpid()} {address!r}\\n")
-        raise OSError(f"refused by tests/online_pipeline.py: a connection to {address!r}")
-    return _connect(sock, address)
-
-
-if os.environ.get("BLOCKGEN_SOCKET_LOG"):
-    socket.socket.connect = _guarded
-'''
-
-
 def environment(out: Path, endpoint: str, phase: str) -> dict[str, str]:
     """The runs' environment: the stand-in as the hub, a hub cache of their own (shared by both phases: the offline
     phase reads what the online one downloaded), each phase's own release conversions, the socket guard."""
-    guard = out / "socket-guard"
-    guard.mkdir(parents=True, exist_ok=True)
-    (guard / "sitecustomize.py").write_text(SOCKET_GUARD)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) and k != "TRANSFORMERS_OFFLINE"}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(out / "hf"), HF_HUB_DISABLE_TELEMETRY="1",
-               BLOCKGEN_RELEASE_CACHE=str(out / phase / "release-cache"), BLOCKGEN_SOCKET_LOG=str(out / "connections.log"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(guard), env.get("PYTHONPATH")])))
-    if phase == "offline":
-        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return env
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if phase == "offline" else {}
+    return client_env(endpoint, out / "hf", out / phase / "release-cache", out / "socket-guard", out / "connections.log",
+                      **offline)
 
 
 # owt_genppl's scorer in process (transformers) instead of a vLLM server: what CI's test runs (the same download of

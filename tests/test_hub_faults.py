@@ -3,8 +3,8 @@ stand-in, and what huggingface_hub's `hf_hub_download` and `blockgen import hf:.
 answered 500/503, its connection is dropped mid-file, or its answer stalls past the client's timeout.
 
 These tests pin today's behaviour, shortfalls included (issue 46, item 4), so that a change to it is seen: each
-assertion says what happens now, not what should. Clients run in subprocesses with the loopback guard of
-test_hub_standin.py; stalls are far longer than the clients' timeouts, and nothing asserts on time.
+assertion says what happens now, not what should. Clients run in subprocesses with the socket guard of
+tests/hub_client.py; stalls are far longer than the clients' timeouts, and nothing asserts on time.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ release fetches its files and the gpt2 tokenizer over HTTP into a fresh hub cach
 the client's exceptions, and with the stand-in stopped the command fails instead of reaching anywhere else.
 
 The clients run in subprocesses with HF_ENDPOINT and HF_HOME set, as a user's shell sets them (huggingface_hub reads
-both once, at import). Each subprocess records every connection it opens; any address but the loopback is refused
-and fails the test.
+both once, at import), and with the socket guard of tests/hub_client.py: a TCP connection off this machine is refused,
+logged, and fails the test.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from blockgen.harness.checkpoints.hub_standin import HubStandin, publish
+from hub_client import LOG_ENV, client_env
 
 FIXTURES = Path(os.environ.get("BLOCKGEN_RELEASE_FIXTURES_GPT2",
                                Path(__file__).resolve().parents[2] / "shared/data/released-gpt2"))
@@ -26,36 +27,17 @@ RELEASE = "blockgen/multi_block_size/8/tiny/0.05_0.95/absorb"  # a release subfo
 needs_fixtures = pytest.mark.skipif(not (FIXTURES / RELEASE).is_dir(), reason=f"release fixtures not found at {FIXTURES}")
 TOKEN = "hf_standin_token"
 
-# Run a Python entry point with every connection recorded: one refused (and written to the log) unless it is to the loopback.
-GUARDED = """
-import socket, sys
-log, target = sys.argv[1], sys.argv[2]
-connect = socket.socket.connect
-def guarded(sock, address):
-    if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "::1", "localhost"):
-        open(log, "a").write(repr(address) + "\\n")
-        raise OSError(f"refused by the test: a connection to {address}")
-    return connect(sock, address)
-socket.socket.connect = guarded
-sys.argv = sys.argv[2:]
-if target == "blockgen":
-    from blockgen.harness.cli import main
-    sys.exit(main(sys.argv[1:]))
-exec(compile(open(target).read(), target, "exec"))
-"""
-
-
 def _env(tmp_path: Path, endpoint: str, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) and k != "TRANSFORMERS_OFFLINE"}
-    return {**env, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "BLOCKGEN_RELEASE_CACHE": str(tmp_path / "release-cache"),
-            "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+    return client_env(endpoint, tmp_path / "hf", tmp_path / "release-cache", tmp_path / "socket-guard",
+                      tmp_path / "connections.log", **extra)
 
 
 def _run(tmp_path: Path, env: dict, target: str, *args: str) -> subprocess.CompletedProcess:
-    log = tmp_path / "connections.log"
-    done = subprocess.run([sys.executable, "-c", GUARDED, str(log), target, *args], env=env, capture_output=True, text=True,
-                          cwd=tmp_path)
-    assert not log.exists(), f"a connection left the loopback: {log.read_text()}"
+    """`blockgen ARGS` or a Python script, in `env`'s socket guard: a connection off the machine fails the test."""
+    command = [sys.executable, "-m", "blockgen.harness.cli"] if target == "blockgen" else [sys.executable, target]
+    done = subprocess.run([*command, *args], env=env, capture_output=True, text=True, cwd=tmp_path)
+    log = Path(env[LOG_ENV])
+    assert not log.exists(), f"a connection left the machine: {log.read_text()}"
     return done
 
 
@@ -306,3 +288,17 @@ def test_hub_standin_refuses_a_fixtures_folder_without_the_release_layouts(tmp_p
                            "--write-tiny-repos", "--release-fixtures", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert str(tmp_path / "released-gpt2") in done.stderr and not (tmp_path / "hub").exists()
+
+
+def test_the_socket_guard_refuses_and_logs_a_connection_off_the_machine(tmp_path):
+    """The guard every client of these tests runs with (tests/hub_client.py): a TCP connection to an address off this
+    machine (TEST-NET-1, never routed) is refused before it is attempted, and logged; the loopback is let through."""
+    env = _env(tmp_path, "http://127.0.0.1:9")
+    script = ("import socket\n"
+              "for address in (('192.0.2.1', 80), ('127.0.0.1', 9)):\n"
+              "    try:\n        socket.create_connection(address, timeout=5)\n    except OSError as err:\n        print(address[0], err)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("192.0.2.1 refused by the test's socket guard"), done.stdout + done.stderr
+    assert lines[1].startswith("127.0.0.1") and "guard" not in lines[1]  # attempted: nothing listens on port 9
+    assert "192.0.2.1" in (tmp_path / "connections.log").read_text()
