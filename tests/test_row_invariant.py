@@ -1,7 +1,7 @@
 """Bitwise batch invariance at batched speed (models/backbone.py `DiT.row_invariant`, `fixed_shape_linear`): a row's
 numbers are the same bit for bit alone, in one batch, in reversed order and in batches of 1, 7 and 16, on model
 shapes no other test uses, with 1 and 2 threads and under ATEN_CPU_CAPABILITY=avx2 (each such run in a subprocess:
-the capability is read once, at torch's import)."""
+the capability is read once, at torch's import; MKL_ENABLE_INSTRUCTIONS=AVX2 beside it)."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def test_the_baselines_likelihoods_are_bitwise_the_same_in_any_batch(architectur
 
 @pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores (5x slower, measured)
 @pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"},
-                                 {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}], ids=lambda e: "-".join(e.values()))
+                                 {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}], ids=lambda e: "-".join(e.values()))
 def test_invariance_holds_on_either_kernel_and_thread_count(env):
     result = _check("narrow", "uniform", "blockgen", **env)
     assert all(result["equal"].values()), (env, result)
@@ -160,8 +160,8 @@ def test_texts_are_bitwise_the_same_in_any_batch(name, prior):
 
 
 @pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores
-@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2"}], ids=lambda e: "-".join(e.values()))
+@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}], ids=lambda e: "-".join(e.values()))
 def test_texts_are_invariant_on_either_kernel_and_thread_count(env):
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_row_invariant as t\n"
               "print([t.texts_in_every_batching(n, p) for n, p in (('arpc', 'uniform'), ('ancestral', 'masked'), ('ar_sample', 'masked'))])")
