@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/bench_batch_invariant.py
     .venv/bin/python bench/bench_batch_invariant.py --sizes micro --batch-sizes 1 8 --repeats 1
+    .venv/bin/python bench/bench_batch_invariant.py --model-len 512   # the same work in a model of 512 positions
 
-For the micro and tiny shapes (random weights: timing only): `generate()` tokens/s of ARPC, ancestral and AR greedy
-and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
+For the micro and tiny shapes (random weights: timing only; by default a model exactly as long as the longest
+generation): `generate()` tokens/s of ARPC, ancestral, low-confidence remasking and AR greedy and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
 - batched: `batch_invariant=False`, the fastest;
 - invariant: `batch_invariant=True` (likelihoods: windows grouped by width and batched in the network's row-invariant
   mode; generation: the batch in that mode with a KV cache);
@@ -53,15 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--model-len", type=int, default=PROMPT_LENGTHS[1] + NEW_TOKENS,
+                        help="the model's positions (default: the longest prompt and its new tokens)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches, top = args.batch_sizes, max(args.batch_sizes)
     prompts, texts = _pool(top, PROMPT_LENGTHS, 0), _pool(top, WINDOW_LENGTHS, 1)
     samplers = {"arpc(3,3,0)": SamplerConfig("arpc", steps=3, ge=3, max_new_tokens=NEW_TOKENS),
                 "ancestral N4": SamplerConfig("ancestral", steps=4, max_new_tokens=NEW_TOKENS),
+                "low_confidence N4": SamplerConfig("low_confidence", steps=4, max_new_tokens=NEW_TOKENS),
                 "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=NEW_TOKENS)}
     print(f"batch invariance: batched, invariant and row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
-          f"{NEW_TOKENS} new, L' = 16; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "
+          f"{NEW_TOKENS} new, L' = 16, model length {args.model_len}; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "
           f"{torch.get_num_threads()} threads, best of {args.repeats}; load {os.getloadavg()[0]:.2f}")
     modes = ("batched", "invariant", "row by row")
     header = ["model", "work", *(f"b{b} {m}" for m in modes for b in batches),
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     print(" | ".join(f"{h:>14}" for h in header))
     with torch.inference_mode():
         for size in args.sizes:
-            model = tiny_model(PROMPT_LENGTHS[1] + NEW_TOKENS, "masked", size)
+            model = tiny_model(args.model_len, "masked", size)
             generate(model, prompts[:2], SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0)  # warm-up
             # run(first row, rows, invariant): row i always has seed i
             work = {name: (lambda i, b, inv, c=config: generate(model, prompts[i : i + b], c, -1, 0, seeds=list(range(i, i + b)),

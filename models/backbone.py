@@ -120,45 +120,84 @@ class LayerNorm(nn.Module):
 
 # Row-invariant mode (`DiT.row_invariant`): every linear layer multiplies chunks of this many token rows, so the
 # matrix kernel sees one shape whatever the batch (bench/README.md, "Batch invariance").
-INVARIANT_ROWS = 64
+INVARIANT_ROWS = 8
+# ... and attention multiplies chunks of this many query rows (a block of L' = 16 is one chunk; generation with
+# smaller blocks passes 2 L', a call's most)
+INVARIANT_QUERY_ROWS = 16
+# ... against chunks of this many keys (a batch adds chunks past a row's keys; they change nothing)
+INVARIANT_KEY_ROWS = 64
+
+
+# On a GPU, cuBLAS picks its algorithm (split-K included) by the whole batched call's shape, the matrix count
+# included: there every batched product of the mode runs in groups of exactly this many matrices (docs/lm_eval.md,
+# "Batch invariance on a GPU"). A CPU's batched GEMM rounds a matrix the same whatever the count (tested), so none.
+INVARIANT_MATRIX_GROUP: dict[str, int] = {"cuda": 16}
 
 
 def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`torch.bmm(a, b)`, each product independent of how many there are: a batch of one is dispatched to the plain
-    GEMM, which rounds otherwise (measured: 3.8e-5 on a (64 x 1024) x (1024 x 256) product), so it runs as two."""
-    if a.shape[0] == 1:
-        return torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
-    return torch.bmm(a, b)
+    """`torch.bmm(a, b)`, each product independent of how many there are. On a CPU a batch of one is dispatched to
+    the plain GEMM, which rounds otherwise (measured: 3.8e-5 on a (64 x 1024) x (1024 x 256) product), so it runs
+    as two, the operands' layouts kept. Where `INVARIANT_MATRIX_GROUP` names the device, the products run in groups
+    of exactly that many, in one layout: an operand shared by every product (`shared`) stays shared, the others are
+    copied contiguous and padded with zero matrices."""
+    count, group = a.shape[0], INVARIANT_MATRIX_GROUP.get(a.device.type)
+    if group is None:
+        if count == 1:
+            return torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
+        return torch.bmm(a, b)
+    padded = -(-count // group) * group
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.stride(0) == 0:
+            return t[:1].expand(padded, *t.shape[1:])
+        return torch.cat([t, t.new_zeros(padded - count, *t.shape[1:])])  # contiguous, padded or not
+
+    a, b = fill(a), fill(b)
+    return torch.cat([torch.bmm(a[i : i + group], b[i : i + group]) for i in range(0, padded, group)])[:count]
 
 
-def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def shared(matrix: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` views of one matrix as a batch, with batch stride 0 even for a count of one (`expand` keeps a size-one
+    dimension's stride), so `invariant_bmm` sees the same layout whatever the count."""
+    return matrix.as_strided((count, *matrix.shape), (0, *matrix.stride()))
+
+
+def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                       weight_t: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with a result per token row that does not depend on how many rows there are.
 
     A CPU GEMM chooses its blocking, and so its order of summation, by the shape (M, K, N): a row's result moves by
     ~1e-6 relative with M. Here the rows are cut into chunks of exactly `rows` (the last one zero-padded) and
     multiplied as one batched GEMM of (rows, K) x (K, N) matrices (`invariant_bmm`). Within one shape a row's result
     does not depend on its place in the chunk, nor on the chunk count (tests/test_row_invariant.py checks both on this
-    machine's kernels)."""
+    machine's kernels). `weight_t`: `weight.t()` made contiguous, if the caller keeps one (the batched GEMM ran
+    ~1.2x faster on it than on the transposed view, measured on the tiny model's shapes)."""
+    if x.dim() == 2 and x.shape[0] > 1 and x.stride(0) == 0:  # one row broadcast (a shared adaLN input): once
+        return fixed_shape_linear(x[:1], weight, bias, rows, weight_t).expand(x.shape[0], -1)
     *lead, k = x.shape
     flat = x.reshape(-1, k)
     m = flat.shape[0]
     n = max(1, -(-m // rows))
-    chunks = F.pad(flat, (0, 0, 0, n * rows - m)).view(n, rows, k)
-    out = invariant_bmm(chunks, weight.t().unsqueeze(0).expand(n, k, weight.shape[0])).reshape(n * rows, -1)[:m]
+    if n * rows != m:
+        flat = F.pad(flat, (0, 0, 0, n * rows - m))
+    weight_t = weight.t() if weight_t is None else weight_t
+    out = invariant_bmm(flat.view(n, rows, k), shared(weight_t, n)).view(n * rows, -1)[:m]
     if bias is not None:
         out = out + bias
     return out.view(*lead, weight.shape[0])
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (the same parameters and state-dict keys) that runs `fixed_shape_linear` while `rows` is set."""
+    """`nn.Linear` (the same parameters and state-dict keys) that runs `fixed_shape_linear` while `rows` is set
+    (`DiT.row_invariant`, which also keeps the weight's contiguous transpose in `weight_t` for that while)."""
 
     rows: int | None = None
+    weight_t: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
             return super().forward(x)
-        return fixed_shape_linear(x, self.weight, self.bias, self.rows)
+        return fixed_shape_linear(x, self.weight, self.bias, self.rows, self.weight_t)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -316,59 +355,103 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-class InvariantKeys(NamedTuple):
-    """A cached call's keys as `row_invariant_attention` reads them, gathered once per call for every layer: `order`
-    (B, S) puts each row's visible keys first, in slot order (a row of a batch sits behind padding it lacks alone);
-    `bias` (B, 1, n, capacity) is the mask in that order as 0 / -inf, padded to the capacity. Every query sees at
-    least one key (`dense_mask`: a padding query sees itself), so no softmax row is empty."""
+@dataclass
+class RowInvariance:
+    """The row-invariant mode's settings for cached calls (`DiT.row_invariant`): the chunk of query rows, and the
+    gathered keys and values (`InvariantKeys.gather`), allocated once for the mode's calls."""
+
+    query_rows: int
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class InvariantKeys:
+    """A cached call's keys as `row_invariant_attention` reads them, gathered once per call for every layer.
+
+    `order` (B, span) puts each row's keys in slot order, those its queries see first (a row of a batch sits behind
+    padding it lacks alone), then those only a query that sees nothing else sees (itself: a padding query, or a lone
+    token), then any others; `span` covers the batch's first two groups in whole chunks of `INVARIANT_KEY_ROWS`.
+    `bias` (B, 1, chunks, n', INVARIANT_KEY_ROWS) is the mask in that order as 0 / -inf, queries padded to whole
+    chunks of `rows` (padding queries see every key: finite)."""
 
     order: torch.Tensor
     bias: torch.Tensor
-    capacity: int
+    rows: int
+    scratch: dict[str, torch.Tensor]  # `RowInvariance.scratch`
+    indices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # `gather`'s, per (heads, slots)
+
+    @property
+    def span(self) -> int:
+        return self.order.shape[1]
 
     @classmethod
-    def of(cls, mask: torch.Tensor, capacity: int) -> "InvariantKeys":
+    def of(cls, mask: torch.Tensor, mode: RowInvariance) -> "InvariantKeys":
         b, _, n, s = mask.shape
-        if s > capacity:
-            raise ValueError(f"{s} keys exceed the row-invariant attention's capacity {capacity}")
-        # keys a query of the row sees, leaving out a query that sees only itself (`dense_mask` lets a padding query
-        # see itself; a real token that sees only itself is seen by the later ones too)
+        rows, width = mode.query_rows, INVARIANT_KEY_ROWS
         only_itself = mask.sum(-1, keepdim=True) == 1
-        visible = (mask & ~only_itself).any(dim=2)[:, 0]  # (B, S)
-        order = torch.argsort((~visible).to(torch.int8), dim=-1, stable=True)
-        allowed = F.pad(mask.gather(3, order[:, None, None, :].expand(b, 1, n, s)), (0, capacity - s))
-        bias = torch.zeros(allowed.shape, device=mask.device).masked_fill_(~allowed, -torch.inf)
-        return cls(order, bias, capacity)
+        seen = (mask & ~only_itself).any(dim=2)[:, 0]  # (B, S)
+        lone = (mask & only_itself).any(dim=2)[:, 0] & ~seen
+        rank = 2 - 2 * seen.to(torch.int8) - lone.to(torch.int8)
+        order = torch.argsort(rank, dim=-1, stable=True)
+        span = max(1, -(-int((seen | lone).sum(-1).max()) // width)) * width  # the call's one read-back
+        order = order[:, :span] if span <= s else torch.cat(
+            [order, torch.arange(s, span, device=order.device).expand(b, -1)], dim=1)  # past S: any slot (`gather`)
+        allowed = mask.gather(3, order.clamp(max=s - 1)[:, None, None, :].expand(b, 1, n, span))
+        allowed[..., s:] = False
+        bias = torch.zeros(b, 1, -(-n // rows) * rows, span, device=mask.device)
+        bias[:, :, :n].masked_fill_(~allowed, -torch.inf)
+        bias = bias.view(b, 1, -1, span // width, width).transpose(2, 3).contiguous()
+        return cls(order, bias, rows, mode.scratch)
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Keys or values (B, H, S, D) in the rows' order, padded with zeros to the capacity. A key no query sees gets
-        weight 0 exactly, and its value is finite (padding tokens attend to themselves), so it adds exactly 0."""
+    def gather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Keys or values (B, H, S, D) in the rows' order, (B H span / chunk, chunk, D): one `index_select` of
+        D-vectors from the cache's buffer that `t` is a view of (`torch.gather` on the strided view measured ~2x
+        slower at batch 8). Past S it picks written slots of the buffer: a key no query sees gets weight 0 exactly, and its value is
+        finite (padding tokens attend to themselves; other slots hold keys or the buffer's zeros), so it adds 0."""
         b, h, s, d = t.shape
-        return F.pad(t.gather(2, self.order[:, None, :, None].expand(b, h, s, d)), (0, 0, 0, self.capacity - s))
+        if t.stride(3) != 1 or t.stride(2) != d or t.stride(0) != h * t.stride(1):  # not a view of a (B, H, slots, D)
+            t = t.contiguous()
+        slots = t.stride(1) // d
+        index = self.indices.get((h, slots))
+        if index is None:
+            base = torch.arange(b * h, device=t.device).view(b, h, 1) * slots
+            index = self.indices[h, slots] = (base + self.order.clamp(max=slots - 1)[:, None, :]).view(-1)
+        out = self.scratch.get(name)
+        if out is None or out.shape != (b * h * self.span, d) or out.dtype != t.dtype:
+            out = self.scratch[name] = t.new_empty(b * h * self.span, d)
+        torch.index_select(t.as_strided((b * h * slots, d), (d, 1)), 0, index, out=out)
+        return out.view(-1, INVARIANT_KEY_ROWS, d)
 
 
-def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys, rows: int) -> torch.Tensor:
-    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch: the keys in
-    `keys`' order and capacity, and every product a batch of fixed-shape (rows x D) x (D x capacity) and
-    (rows x capacity) x (capacity x D) matrices (`fixed_shape_linear`'s argument, through `invariant_bmm`)."""
+def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
+    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch.
+
+    The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.rows`. Every product
+    is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x D) matrices (through
+    `invariant_bmm`, a chunk's sums of weights too: a product with ones); the softmax's maximum runs over all chunks
+    (exact in any order), the sums and the weighted values are added over the chunks in chunk order (`cumsum`: a
+    sequential scan), and divided last. So the chunks past a row's own
+    keys, which a batch adds, change nothing: their weights are exactly 0 (a key no query of the row sees), their
+    sums and products exactly 0, and adding 0 is exact."""
     b, h, n, d = q.shape
-    capacity, pairs = keys.capacity, b * h
-    ks, vs = keys.gather(k).reshape(pairs, capacity, d), keys.gather(v).reshape(pairs, capacity, d)
-    q = q * (1.0 / math.sqrt(d))
-    kt = ks.transpose(1, 2)
+    pairs, rows, width, chunks = b * h, keys.rows, INVARIANT_KEY_ROWS, keys.bias.shape[2]
+    kt = keys.gather(k, "keys").transpose(1, 2)  # (pairs chunks, D, width)
+    vs = keys.gather(v, "values")
+    padded = keys.bias.shape[3]
+    q = F.pad(q * (1.0 / math.sqrt(d)), (0, 0, 0, padded - n))
+    ones = q.new_ones(width, 1)
     out = []
-    for start in range(0, n, rows):
-        pad = rows - min(rows, n - start)
-        chunk = F.pad(q[:, :, start : start + rows], (0, 0, 0, pad)).reshape(pairs, rows, d)
-        bias = F.pad(keys.bias[:, :, start : start + rows], (0, 0, 0, pad))  # padding query rows: all 0, finite
-        scores = invariant_bmm(chunk, kt).view(b, h, rows, capacity) + bias
-        weights = scores.softmax(-1).reshape(pairs, rows, capacity)
-        out.append(invariant_bmm(weights, vs).view(b, h, rows, d))
+    for start in range(0, padded, rows):
+        chunk = q[:, :, None, start : start + rows].expand(b, h, chunks, rows, d).reshape(pairs * chunks, rows, d)
+        scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width) + keys.bias[:, :, :, start : start + rows]
+        weights = (scores - scores.amax(dim=(2, 4), keepdim=True)).exp_().view(pairs * chunks, rows, width)
+        values = invariant_bmm(weights, vs).view(b, h, chunks, rows, d)
+        # each chunk's sum of weights as a product too (a GPU's sum kernel may reduce a row by the row count)
+        total = invariant_bmm(weights, shared(ones, pairs * chunks)).view(b, h, chunks, rows)
+        if chunks > 1:  # (one chunk: the scan is the identity)
+            total, values = total.cumsum(2), values.cumsum(2)
+        out.append(values[:, :, -1] / total[:, :, -1, :, None])
     return torch.cat(out, dim=2)[:, :, :n]
-
-
-# The chunk of query rows of `row_invariant_attention`: a block of L' = 16 is one chunk
-INVARIANT_QUERY_ROWS = 16
 
 
 class Attention(nn.Module):
@@ -385,7 +468,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.attend(layer, k, v)
         if isinstance(mask, InvariantKeys):  # a cached call in the row-invariant mode (DiT.row_invariant)
-            y = row_invariant_attention(q, k, v, mask, INVARIANT_QUERY_ROWS)
+            y = row_invariant_attention(q, k, v, mask)
         elif isinstance(mask, torch.Tensor):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -465,34 +548,31 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(shape.n_layers))
         self.final = FinalLayer(cfg)
         self.dropout = nn.Dropout(shape.dropout)
-        self._invariant_rows: int | None = None  # set inside `row_invariant`
-        self._invariant_capacity = 0  # keys a cached call attends to in the row-invariant mode
+        self._invariance: RowInvariance | None = None  # set inside `row_invariant`
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     @contextlib.contextmanager
-    def row_invariant(self, rows: int = INVARIANT_ROWS, beyond: int = 128):
+    def row_invariant(self, rows: int = INVARIANT_ROWS, query_rows: int = INVARIANT_QUERY_ROWS):
         """Within it, a batch row's outputs are those of the row alone, bit for bit, when its tensors are laid out as
         they would be alone (same width and padding: the callers' buckets, whole multiples of 64 tokens): every linear
-        layer runs on fixed-shape chunks (`fixed_shape_linear`) and the adaLN conditioning is computed per row (or once:
-        it is the same for every row of a time-unconditional model). Attention and normalisation compute each row (and
-        head) on its own, and elementwise kernels round an element the same way wherever it sits except in the
-        vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor does not have. A cached call's
-        attention (`row_invariant_attention`) runs over the model's length plus `beyond` key slots (generation: two
-        blocks, the most its cache holds past the sequence)."""
+        layer runs on fixed-shape chunks of `rows` token rows (`fixed_shape_linear`) and the adaLN conditioning is
+        computed per row (or once: it is the same for every row of a time-unconditional model). Attention and
+        normalisation compute each row (and head) on its own, and elementwise kernels round an element the same way
+        wherever it sits except in the vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor
+        does not have. A cached call's attention (`row_invariant_attention`) runs on chunks of `query_rows` queries
+        and `INVARIANT_KEY_ROWS` keys."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            m.rows = rows
-        self._invariant_rows = rows
-        # a cached call's keys: the sequence and up to `beyond` slots past it (the caller's longest call), whole vectors
-        self._invariant_capacity = -(-(self.cfg.max_len + beyond) // 16) * 16
+            m.rows, m.weight_t = rows, m.weight.detach().t().contiguous()
+        self._invariance = RowInvariance(query_rows)
         try:
             yield self
         finally:
-            self._invariant_rows = None
+            self._invariance = None
             for m in linears:
-                m.rows = None
+                m.rows, m.weight_t = None, None
 
     def conditioning(self, batch: int, device, sigma: torch.Tensor | None = None) -> torch.Tensor | None:
         """The adaLN input c (B, cond_dim), or None without adaLN.
@@ -503,10 +583,10 @@ class DiT(nn.Module):
         if not self.cfg.adaln:
             return None
         if sigma is None or not self.cfg.time_conditioning:
-            if self._invariant_rows is not None:  # one vector for all rows, computed as for a row alone
+            if self._invariance is not None:  # one vector for all rows, computed as for a row alone
                 return self._embed_time(torch.zeros(1, device=device)).expand(batch, -1)
             sigma = torch.zeros(batch, device=device)
-        if self._invariant_rows is not None:
+        if self._invariance is not None:
             # row by row: an elementwise kernel computes the last elements of a (B, cond_dim) tensor (its vector
             # remainder) another way than the rest, so a row's place in the batch would change its rounding
             return torch.cat([self._embed_time(sigma[i : i + 1]) for i in range(batch)])
@@ -519,8 +599,8 @@ class DiT(nn.Module):
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache: KVCache | None, n_commit: int, n_out: int,
              sigma: torch.Tensor | None = None):
         cond = self.conditioning(tokens.shape[0], tokens.device, sigma)
-        if cache is not None and self._invariant_rows is not None:  # the keys' order, once for every layer
-            mask = InvariantKeys.of(mask, self._invariant_capacity)
+        if cache is not None and self._invariance is not None:  # the keys' order, once for every layer
+            mask = InvariantKeys.of(mask, self._invariance)
         x = self.dropout(self.embed(tokens))
         rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):

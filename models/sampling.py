@@ -81,7 +81,7 @@ from typing import Callable, Sequence
 import torch
 
 from blockgen.models.attention import Layout
-from blockgen.models.backbone import KVCache, reused_static_cache
+from blockgen.models.backbone import INVARIANT_QUERY_ROWS, KVCache, reused_static_cache
 from blockgen.models.diffusion import Prior, Randomness, RowStreams, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -565,7 +565,7 @@ def generate(
     reverse step (tests).
 
     `batch_invariant=True` runs the batch in the network's row-invariant mode (`DiT.row_invariant`: fixed-shape
-    matrix products, each row's keys gathered to the front of a fixed capacity), so a row's text is bit for bit the
+    matrix products, each row's keys gathered in one order and attended in fixed chunks), so a row's text is bit for bit the
     one it gets alone, in any batch and order (bench/README.md, "Batch invariance", for the cost). Without a cache or
     with `compile`, it runs every row as a batch of one instead (model_calls and n_blocks then summed over the rows).
 
@@ -612,8 +612,7 @@ def generate(
             f"{max_prompt_len(model.config, replace(config, max_new_tokens=limits[r]))} tokens or ask for fewer new tokens"
         )
     if batch_invariant and use_cache and not compile:  # the batch in the network's row-invariant mode
-        # the cache never holds more than the sequence and two blocks (`capacity` below)
-        with model.dit.row_invariant(beyond=2 * block_size):
+        with model.dit.row_invariant(query_rows=min(INVARIANT_QUERY_ROWS, 2 * block_size)):  # a call: 2 L' queries at most
             return generate(model, prompts, config, eos_id, pad_id, stop, seeds=seeds, max_new_tokens=limits, use_cache=True,
                             validate=False, progress=progress, trace=trace, static_shapes=static_shapes)
     if batch_invariant and n > 1:  # without a cache, or compiled: row by row

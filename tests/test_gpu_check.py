@@ -94,6 +94,7 @@ def test_cpu_mode_through_the_real_command_line(cli_run):
     assert [r["sampler"] for r in invariance] == ["ancestral", "ar_greedy"]
     for r in invariance:
         assert r["batch"] == 8 and r["rows_checked"] == [0, 4, 7] and r["rows_same_alone"] == 3 and r["cost"] > 0
+        assert r["matrix_group"] is None and "cublas_workspace_config" in r  # a CPU: no grouping (CUDA: 16)
 
     lm_eval = summary["stages"]["lm_eval"]
     assert 0.0 <= lm_eval["metrics"]["exact_match,sandbox"] <= 1.0 and Path(lm_eval["results"]).is_file()

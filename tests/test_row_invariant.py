@@ -66,18 +66,78 @@ def _check(shape: str, prior: str, architecture: str, **env: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.parametrize("kept_transpose", [False, True], ids=["view", "kept"])
 @pytest.mark.parametrize("rows", [8, 64])
 @pytest.mark.parametrize("k, n", [(48, 144), (160, 640), (640, 160), (1024, 256)])
-def test_a_fixed_shape_linear_row_does_not_depend_on_the_other_rows(k, n, rows):
+def test_a_fixed_shape_linear_row_does_not_depend_on_the_other_rows(k, n, rows, kept_transpose):
+    """Alone (one chunk, run as two) and among 1-690 rows (1-87 chunks), with the weight's transpose as a view or
+    kept contiguous (`DiT.row_invariant` keeps one)."""
     torch.manual_seed(k + n)
     weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(700, k)
+    weight_t = weight.t().contiguous() if kept_transpose else None
     for start in (0, 1, 5):  # the row at the start of a chunk, and further in
-        alone = fixed_shape_linear(x[start : start + 1], weight, bias, rows)[0]
+        alone = fixed_shape_linear(x[start : start + 1], weight, bias, rows, weight_t)[0]
         for m in (1, 2, rows - 1, rows, rows + 1, 3 * rows + 5, 690):
             rows_before = min(start, 3)
-            batch = fixed_shape_linear(x[start - rows_before : start + m], weight, bias, rows)
+            batch = fixed_shape_linear(x[start - rows_before : start + m], weight, bias, rows, weight_t)
             assert torch.equal(batch[rows_before], alone), (start, m)
-    torch.testing.assert_close(fixed_shape_linear(x, weight, bias, rows), F.linear(x, weight, bias), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(fixed_shape_linear(x, weight, bias, rows, weight_t), F.linear(x, weight, bias),
+                               rtol=1e-5, atol=2e-4)
+
+
+def _left_padded_attention(lengths: list[int], n: int, heads: int = 3, d: int = 16, slots: int = 256, seed: int = 0):
+    """Query (B, H, n, D), keys and values as views of (B, H, slots, D) buffers, and the mask (B, 1, n, S) of rows of
+    the given key counts left-padded to the longest: each row's last n keys are its queries, causal over its keys."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    q = torch.randn(b, heads, n, d, generator=g)
+    keys, values = torch.randn(b, heads, slots, d, generator=g), torch.randn(b, heads, slots, d, generator=g)
+    mask = torch.zeros(b, 1, n, s, dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        for j in range(n):
+            mask[i, 0, j, s - length : s - n + j + 1] = True
+    return q, keys[:, :, :s], values[:, :, :s], mask
+
+
+def test_row_invariant_attention_is_sdpa_and_a_row_alone_in_any_batch():
+    """`row_invariant_attention` against SDPA (float rounding apart) on rows of 20, 70 and 150 keys (1, 2 and 3
+    chunks of 64), and each row bit for bit the same alone (its own keys only, as a batch of one) as in the batch,
+    where the longer rows add key chunks and left padding the row lacks alone."""
+    from blockgen.models.backbone import InvariantKeys, RowInvariance, row_invariant_attention
+
+    lengths, n = [70, 20, 150], 16
+    q, k, v, mask = _left_padded_attention(lengths, n)
+    together = row_invariant_attention(q, k, v, InvariantKeys.of(mask, RowInvariance(16)))
+    reference = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
+    torch.testing.assert_close(together, reference, rtol=1e-5, atol=1e-5)
+    s = max(lengths)
+    for i, length in enumerate(lengths):
+        own = slice(s - length, s)
+        alone = row_invariant_attention(q[i : i + 1], k[i : i + 1, :, own], v[i : i + 1, :, own],
+                                        InvariantKeys.of(mask[i : i + 1, :, :, own], RowInvariance(16)))
+        assert torch.equal(alone[0], together[i]), i
+    # the query chunk: 4 rows at a time give the same numbers for a row as 16 (only the chunks' shapes differ)
+    four = row_invariant_attention(q, k, v, InvariantKeys.of(mask, RowInvariance(4)))
+    torch.testing.assert_close(four, together, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_grouping_of_products_keeps_a_row_invariant(monkeypatch):
+    """What `INVARIANT_MATRIX_GROUP` does on CUDA, run here on the CPU's kernels (groups of 3: every count pads):
+    each product of a batch equals its product alone, shared and per-matrix operands alike, and texts stay bit for
+    bit the same in any batch."""
+    from blockgen.models import backbone
+
+    monkeypatch.setitem(backbone.INVARIANT_MATRIX_GROUP, "cpu", 3)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(7, 8, 32, generator=g), torch.randn(7, 40, 32, generator=g).transpose(1, 2)
+    weight_t = torch.randn(32, 24, generator=g)
+    for count in range(1, 8):
+        per_matrix = backbone.invariant_bmm(a[:count], b[:count])
+        with_shared = backbone.invariant_bmm(a[:count], backbone.shared(weight_t, count))
+        for i in range(count):
+            assert torch.equal(per_matrix[i], backbone.invariant_bmm(a[i : i + 1], b[i : i + 1])[0]), (count, i)
+            assert torch.equal(with_shared[i], backbone.invariant_bmm(a[i : i + 1], backbone.shared(weight_t, 1))[0])
+    assert texts_in_every_batching("ancestral", "masked")
 
 
 @pytest.mark.parametrize("prior", ["masked", "uniform"])

@@ -12,6 +12,7 @@ first measurement of the row-invariant mode under cuBLAS: docs/lm_eval.md, "Batc
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -78,7 +79,11 @@ def _invariance_run(model, prompts: list[list[int]], sampler_config, device: str
     checked = sorted({0, len(prompts) // 2, len(prompts) - 1})
     same = sum(timed([i], True)[0].tokens[0] == invariant.tokens[i] for i in checked)
     tokens = sum(len(t) for t in fastest.tokens)
+    from blockgen.models.backbone import INVARIANT_MATRIX_GROUP
+
     return {"batch": len(prompts), "fastest_tokens_per_s": tokens / fastest_s, "invariant_tokens_per_s": tokens / invariant_s,
+            "matrix_group": INVARIANT_MATRIX_GROUP.get(torch.device(device).type),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             "cost": invariant_s / fastest_s, "rows_checked": checked, "rows_same_alone": same,
             "fastest_rows_same": sum(a == b for a, b in zip(fastest.tokens, invariant.tokens))}
 
