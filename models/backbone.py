@@ -443,8 +443,8 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     out = []
     for start in range(0, padded, rows):
         chunk = q[:, :, None, start : start + rows].expand(b, h, chunks, rows, d).reshape(pairs * chunks, rows, d)
-        scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width) + keys.bias[:, :, :, start : start + rows]
-        weights = (scores - scores.amax(dim=(2, 4), keepdim=True)).exp_().view(pairs * chunks, rows, width)
+        scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width).add_(keys.bias[:, :, :, start : start + rows])
+        weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_().view(pairs * chunks, rows, width)
         values = invariant_bmm(weights, vs).view(b, h, chunks, rows, d)
         # each chunk's sum of weights as a product too (a GPU's sum kernel may reduce a row by the row count)
         total = invariant_bmm(weights, shared(ones, pairs * chunks)).view(b, h, chunks, rows)
