@@ -254,6 +254,27 @@ def texts_in_every_batching(name: str, prior: str) -> bool:
                                                                (list(range(13)), 7), (list(range(13)), 16)))
 
 
+@pytest.mark.parametrize("name, prior", [("ancestral", "masked"), ("arpc", "uniform"), ("ar_greedy", "masked")])
+def test_static_shapes_give_the_same_texts_in_the_row_invariant_mode(name, prior):
+    """`static_shapes=True` attends to the whole preallocated cache (unwritten slots masked) where the default
+    attends to the written slots: in the row-invariant mode a call attends to its rows' own keys either way, so the
+    13 texts, alone and in one batch, are those of the default bit for bit."""
+    from blockgen.models.sampler_config import SamplerConfig
+    from blockgen.models.sampling import generate
+
+    model, prompts = _random_model(prior), _prompts(VOCAB)
+    config = SamplerConfig(name, steps=4, ge=2, max_new_tokens=64, temperature=0.9)
+    seeds, budgets = list(range(200, 213)), [20 + 3 * i for i in range(13)]
+
+    def texts(rows: list[int], static: bool) -> list[list[int]]:
+        return generate(model, [prompts[j] for j in rows], config, -1, 0, seeds=[seeds[j] for j in rows],
+                        max_new_tokens=[budgets[j] for j in rows], batch_invariant=True, static_shapes=static).tokens
+
+    alone = [texts([j], False)[0] for j in range(13)]
+    assert texts(list(range(13)), True) == alone
+    assert [texts([j], True)[0] for j in range(13)] == alone
+
+
 @pytest.mark.parametrize("prior", ["masked", "uniform"])
 @pytest.mark.parametrize("name", ["arpc", "ar_sample", "low_confidence"])
 def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, prior):
