@@ -1,7 +1,7 @@
 """Bitwise batch invariance at batched speed (models/backbone.py `DiT.row_invariant`, `fixed_shape_linear`): a row's
 numbers are the same bit for bit alone, in one batch, in reversed order and in batches of 1, 7 and 16, on model
-shapes no other test uses, with 1 and 2 threads and under ATEN_CPU_CAPABILITY=avx2 (each such run in a subprocess:
-the capability is read once, at torch's import; MKL_ENABLE_INSTRUCTIONS=AVX2 beside it)."""
+shapes no other test uses, with 1 and 2 threads and under ATEN_CPU_CAPABILITY=avx2 and =default (each such run in a
+subprocess: the capability is read once, at torch's import; MKL_ENABLE_INSTRUCTIONS=AVX2 or SSE4_2 beside it)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ SHAPES = {"narrow": ModelShape(n_layers=2, d_model=48, n_heads=3, cond_dim=24, d
           "wide": ModelShape(n_layers=3, d_model=160, n_heads=5, cond_dim=40, dropout=0.0)}
 VOCAB, SEQ_LEN = 57, 160
 LENGTHS = (5, 17, 33, 64, 65, 90, 128, 3, 41, 160, 12, 77, 100)  # 13 windows, on and off the 64-token buckets
+
+# ATen's scalar kernels (no vector remainder anywhere) and MKL's SSE4.2 GEMMs: a CPU without AVX
+DEFAULT_KERNELS = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
 
 # Scores of the 13 windows under every batching, for one model; prints whether each equals the alone run bit for bit.
 CHECK = """
@@ -159,7 +162,8 @@ def test_the_baselines_likelihoods_are_bitwise_the_same_in_any_batch(architectur
 @pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores (5x slower, measured)
 @pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"},
                                  {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}], ids=lambda e: "-".join(e.values()))
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                                 DEFAULT_KERNELS], ids=lambda e: "-".join(e.values()))
 def test_invariance_holds_on_either_kernel_and_thread_count(env):
     result = _check("narrow", "uniform", "blockgen", **env)
     assert all(result["equal"].values()), (env, result)
@@ -221,7 +225,8 @@ def test_texts_are_bitwise_the_same_in_any_batch(name, prior):
 
 @pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores
 @pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}], ids=lambda e: "-".join(e.values()))
+                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                                 DEFAULT_KERNELS], ids=lambda e: "-".join(e.values()))
 def test_texts_are_invariant_on_either_kernel_and_thread_count(env):
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_row_invariant as t\n"
               "print([t.texts_in_every_batching(n, p) for n, p in (('arpc', 'uniform'), ('ancestral', 'masked'), ('ar_sample', 'masked'))])")
