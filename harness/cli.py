@@ -189,8 +189,12 @@ def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped
     from blockgen.harness.training.train import NonFiniteLoss, train
 
+    from blockgen.harness.runtime.distributed import ranks_from_env
+
     try:  # the errors a user's settings or files cause: one line each, naming the choices
-        print(f"checkpoint: {train(config_from_args(args))}")
+        checkpoint = train(config_from_args(args))
+        if ranks_from_env().is_main:  # one line for a torchrun job, not one per process
+            print(f"checkpoint: {checkpoint}")
     except (ValueError, CheckpointError, HubUnavailableError, RunDirectoryBusy) as err:
         print(f"blockgen train: error: {err}", file=sys.stderr)
         return 2

@@ -174,6 +174,8 @@ def straight_run(tmp_path_factory) -> tuple[Path, Path]:
     cache, out = tmp / "data-cache", tmp / "straight"
     result = subprocess.run(fault_command(out, cache), capture_output=True, text=True, timeout=HANG_S, cwd=tmp, env=run_env())
     assert result.returncode == 0, result.stderr[-3000:]
+    # the run's one closing line, printed by rank 0 only
+    assert [line for line in result.stdout.splitlines() if line.startswith("checkpoint:")] == [f"checkpoint: {out / 'checkpoint'}"]
     return out, cache
 
 
