@@ -556,11 +556,11 @@ class DiT(nn.Module):
     @contextlib.contextmanager
     def row_invariant(self, rows: int = INVARIANT_ROWS, query_rows: int = INVARIANT_QUERY_ROWS):
         """Within it, a batch row's outputs are those of the row alone, bit for bit, when its tensors are laid out as
-        they would be alone (same width and padding: the callers' buckets, whole multiples of 64 tokens): every linear
+        they would be alone (same width and padding: the callers' buckets, whole multiples of 32 tokens): every linear
         layer runs on fixed-shape chunks of `rows` token rows (`fixed_shape_linear`) and the adaLN conditioning is
         computed per row (or once: it is the same for every row of a time-unconditional model). Attention and
         normalisation compute each row (and head) on its own, and elementwise kernels round an element the same way
-        wherever it sits except in the vector remainder at a tensor's end, which a (rows x 64k tokens x width) tensor
+        wherever it sits except in the vector remainder at a tensor's end, which a (rows x 32k tokens x width) tensor
         does not have. A cached call's attention (`row_invariant_attention`) runs on chunks of `query_rows` queries
         and `INVARIANT_KEY_ROWS` keys."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]

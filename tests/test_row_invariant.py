@@ -20,7 +20,7 @@ from blockgen.models.backbone import ModelShape, fixed_shape_linear
 SHAPES = {"narrow": ModelShape(n_layers=2, d_model=48, n_heads=3, cond_dim=24, dropout=0.0),
           "wide": ModelShape(n_layers=3, d_model=160, n_heads=5, cond_dim=40, dropout=0.0)}
 VOCAB, SEQ_LEN = 57, 160
-LENGTHS = (5, 17, 33, 64, 65, 90, 128, 3, 41, 160, 12, 77, 100)  # 13 windows, on and off the 64-token buckets
+LENGTHS = (5, 17, 33, 64, 65, 90, 128, 3, 41, 160, 12, 77, 100)  # 13 windows, on and off the 32-token buckets
 
 # ATen's scalar kernels (no vector remainder anywhere) and MKL's SSE4.2 GEMMs: a CPU without AVX
 DEFAULT_KERNELS = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}

@@ -63,7 +63,7 @@ class _KeepARLogits:
 
 # Row-invariant scoring pads a window to the next multiple of this many tokens (at most the model's length), so that
 # it has the same width alone and in any batch; windows of one width run together.
-WIDTH_BUCKET = 64
+WIDTH_BUCKET = 32
 
 
 def bucket_width(length: int, max_len: int) -> int:
