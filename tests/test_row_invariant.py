@@ -313,3 +313,21 @@ def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, pri
         assert len(alone) == len(together)
         assert all(torch.equal(a[0], b[j]) for a, b in zip(alone, together)), j
         assert not all(torch.equal(a[0], b[j]) for a, b in zip(alone, plain)), j
+
+
+def test_bfloat16_autocast_keeps_texts_and_likelihoods_bitwise_the_same():
+    """Under bfloat16 autocast (the adapter's `dtype=bfloat16`: the matrix products in bf16) a row's text and
+    likelihood bounds are still those it gets alone, bit for bit (13 prompts, 13 windows)."""
+    from blockgen.harness.evaluation.lm_eval_model.scoring import Window, score_windows
+    from blockgen.models.sampler_config import SamplerConfig
+    from blockgen.models.sampling import generate
+
+    model, prompts = _random_model("masked"), _prompts(VOCAB)
+    config = SamplerConfig("ancestral", steps=4, max_new_tokens=40, temperature=0.9)
+    g = torch.Generator().manual_seed(1)
+    windows = [Window(tuple(torch.randint(0, VOCAB, (n,), generator=g).tolist()), max(1, n // 3)) for n in LENGTHS]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = [generate(model, [p], config, -1, 0, seeds=[j], batch_invariant=True).tokens[0] for j, p in enumerate(prompts)]
+        assert generate(model, prompts, config, -1, 0, seeds=list(range(13)), batch_invariant=True).tokens == alone
+        scored = [score_windows(model, [w], [j], 3, 0, batch_invariant=True)[0] for j, w in enumerate(windows)]
+        assert score_windows(model, windows, list(range(13)), 3, 0, batch_invariant=True) == scored
