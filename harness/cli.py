@@ -185,11 +185,10 @@ def _presets(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.checkpoint import CheckpointError
     from blockgen.harness.checkpoints.hub import HubUnavailableError
+    from blockgen.harness.runtime.distributed import ranks_from_env
     from blockgen.harness.training.run_directory import RunDirectoryBusy
     from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped
     from blockgen.harness.training.train import NonFiniteLoss, train
-
-    from blockgen.harness.runtime.distributed import ranks_from_env
 
     try:  # the errors a user's settings or files cause: one line each, naming the choices
         checkpoint = train(config_from_args(args))

@@ -372,12 +372,11 @@ class InvariantKeys:
     padding it lacks alone), then those only a query that sees nothing else sees (itself: a padding query, or a lone
     token), then any others; `span` covers the batch's first two groups in whole chunks of `INVARIANT_KEY_ROWS`.
     `bias` (B, 1, chunks, n', INVARIANT_KEY_ROWS) is the mask in that order as 0 / -inf, queries padded to whole
-    chunks of `rows` (padding queries see every key: finite)."""
+    chunks of `mode.query_rows` (padding queries see every key: finite)."""
 
     order: torch.Tensor
     bias: torch.Tensor
-    rows: int
-    scratch: dict[str, torch.Tensor]  # `RowInvariance.scratch`
+    mode: RowInvariance
     indices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # `gather`'s, per (heads, slots)
 
     @property
@@ -401,7 +400,7 @@ class InvariantKeys:
         bias = torch.zeros(b, 1, -(-n // rows) * rows, span, device=mask.device)
         bias[:, :, :n].masked_fill_(~allowed, -torch.inf)
         bias = bias.view(b, 1, -1, span // width, width).transpose(2, 3).contiguous()
-        return cls(order, bias, rows, mode.scratch)
+        return cls(order, bias, mode)
 
     def gather(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """Keys or values (B, H, S, D) in the rows' order, (B H span / chunk, chunk, D): one `index_select` of
@@ -416,9 +415,10 @@ class InvariantKeys:
         if index is None:
             base = torch.arange(b * h, device=t.device).view(b, h, 1) * slots
             index = self.indices[h, slots] = (base + self.order.clamp(max=slots - 1)[:, None, :]).view(-1)
-        out = self.scratch.get(name)
+        scratch = self.mode.scratch
+        out = scratch.get(name)
         if out is None or out.shape != (b * h * self.span, d) or out.dtype != t.dtype:
-            out = self.scratch[name] = t.new_empty(b * h * self.span, d)
+            out = scratch[name] = t.new_empty(b * h * self.span, d)
         torch.index_select(t.as_strided((b * h * slots, d), (d, 1)), 0, index, out=out)
         return out.view(-1, INVARIANT_KEY_ROWS, d)
 
@@ -426,7 +426,7 @@ class InvariantKeys:
 def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
     """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch.
 
-    The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.rows`. Every product
+    The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.mode.query_rows`. Every product
     is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x D) matrices (through
     `invariant_bmm`, a chunk's sums of weights too: a product with ones); the softmax's maximum runs over all chunks
     (exact in any order), the sums and the weighted values are added over the chunks in chunk order (`cumsum`: a
@@ -434,7 +434,7 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     keys, which a batch adds, change nothing: their weights are exactly 0 (a key no query of the row sees), their
     sums and products exactly 0, and adding 0 is exact."""
     b, h, n, d = q.shape
-    pairs, rows, width, chunks = b * h, keys.rows, INVARIANT_KEY_ROWS, keys.bias.shape[2]
+    pairs, rows, width, chunks = b * h, keys.mode.query_rows, INVARIANT_KEY_ROWS, keys.bias.shape[2]
     kt = keys.gather(k, "keys").transpose(1, 2)  # (pairs chunks, D, width)
     vs = keys.gather(v, "values")
     padded = keys.bias.shape[3]

@@ -61,6 +61,7 @@ INVARIANCE_SAMPLERS = ("ancestral", "ar_greedy")
 def _invariance_run(model, prompts: list[list[int]], sampler_config, device: str) -> dict:
     """Seconds of the batch on the fastest path and in the row-invariant mode (per-row seeds), and how many of rows
     0, middle and last keep, in the batch, the tokens they get alone in the invariant mode."""
+    from blockgen.models.backbone import INVARIANT_MATRIX_GROUP
     from blockgen.models.sampling import generate
 
     seeds = list(range(len(prompts)))
@@ -79,8 +80,6 @@ def _invariance_run(model, prompts: list[list[int]], sampler_config, device: str
     checked = sorted({0, len(prompts) // 2, len(prompts) - 1})
     same = sum(timed([i], True)[0].tokens[0] == invariant.tokens[i] for i in checked)
     tokens = sum(len(t) for t in fastest.tokens)
-    from blockgen.models.backbone import INVARIANT_MATRIX_GROUP
-
     return {"batch": len(prompts), "fastest_tokens_per_s": tokens / fastest_s, "invariant_tokens_per_s": tokens / invariant_s,
             "matrix_group": INVARIANT_MATRIX_GROUP.get(torch.device(device).type),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
