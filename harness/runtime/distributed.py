@@ -109,14 +109,17 @@ def setup_distributed(device: str | None = AUTO, timeout_s: float = DEFAULT_TIME
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
             # Left to the interpreter's teardown, the group's threads may outlive it and abort the process
             # ("terminate called without an active exception", exit -6) after an error was already reported.
-            atexit.register(_leave_process_group)
+            atexit.register(leave_process_group)
             if ranks.is_main:
                 print(f"blockgen: process group {backend}, {ranks.world_size} processes, timeout {timeout_s:g} s", flush=True)
     return Distributed(rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size,
                        launched=ranks.launched, device=resolved)
 
 
-def _leave_process_group() -> None:
+def leave_process_group() -> None:
+    """Destroy the joined process group (nothing when none is joined): at exit, or earlier where every rank
+    is known to be at the same point (after a barrier), so no rank tears its group down while a peer still
+    sends to it."""
     import torch.distributed as dist
 
     if dist.is_initialized():

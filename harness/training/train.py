@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from blockgen.harness.checkpoints.checkpoint import TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
 from blockgen.harness.data.sources import Examples
-from blockgen.harness.runtime.distributed import Distributed, ranks_from_env, resolve_device, setup_distributed
+from blockgen.harness.runtime.distributed import (Distributed, leave_process_group, ranks_from_env, resolve_device,
+                                                 setup_distributed)
 from blockgen.harness.runtime.precision import enable_tf32  # one home for TF32 (evaluation uses it too)
 from blockgen.harness.data.prepare import ensure_prepared, load_prepared
 from blockgen.harness.runtime.progress import Progress
@@ -370,6 +371,7 @@ def _train(config: TrainConfig, prepared: Path, d: Distributed, out: Path, progr
             print(f"blockgen train: {err}", file=sys.stderr, flush=True)
         if d.world_size > 1:
             dist.barrier()  # no rank leaves before rank 0 has saved, logged and said why
+            leave_process_group()  # while every rank is past the barrier, not in the interpreter's teardown
         raise err
 
     model.train()
