@@ -362,6 +362,16 @@ class RowInvariance:
 
     query_rows: int
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    last: tuple[torch.Tensor, "InvariantKeys"] | None = None  # the previous call's mask and its keys' order
+
+    def keys_of(self, mask: torch.Tensor) -> "InvariantKeys":
+        """`InvariantKeys.of(mask)`, reused while the mask stays the same: a sampler's steps within a block share
+        it (the same prefix and block), and the order is a function of the mask alone."""
+        if self.last is not None and self.last[0].shape == mask.shape and torch.equal(self.last[0], mask):
+            return self.last[1]
+        keys = InvariantKeys.of(mask, self)
+        self.last = (mask, keys)
+        return keys
 
 
 @dataclass
@@ -429,8 +439,8 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.mode.query_rows`. Every product
     is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x D) matrices (through
     `invariant_bmm`, a chunk's sums of weights too: a product with ones); the softmax's maximum runs over all chunks
-    (exact in any order), the sums and the weighted values are added over the chunks in chunk order (`cumsum`: a
-    sequential scan), and divided last. So the chunks past a row's own
+    (exact in any order), the sums and the weighted values are added over the chunks one by one in chunk order, and
+    divided last. So the chunks past a row's own
     keys, which a batch adds, change nothing: their weights are exactly 0 (a key no query of the row sees), their
     sums and products exactly 0, and adding 0 is exact."""
     b, h, n, d = q.shape
@@ -448,9 +458,10 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         values = invariant_bmm(weights, vs).view(b, h, chunks, rows, d)
         # each chunk's sum of weights as a product too (a GPU's sum kernel may reduce a row by the row count)
         total = invariant_bmm(weights, shared(ones, pairs * chunks)).view(b, h, chunks, rows)
-        if chunks > 1:  # (one chunk: the scan is the identity)
-            total, values = total.cumsum(2), values.cumsum(2)
-        out.append(values[:, :, -1] / total[:, :, -1, :, None])
+        total_sum, values_sum = total[:, :, 0], values[:, :, 0]
+        for c in range(1, chunks):  # in chunk order, one add each (a cumsum computes every partial sum)
+            total_sum, values_sum = total_sum + total[:, :, c], values_sum + values[:, :, c]
+        out.append(values_sum / total_sum[..., None])
     return torch.cat(out, dim=2)[:, :, :n]
 
 
@@ -600,7 +611,7 @@ class DiT(nn.Module):
              sigma: torch.Tensor | None = None):
         cond = self.conditioning(tokens.shape[0], tokens.device, sigma)
         if cache is not None and self._invariance is not None:  # the keys' order, once for every layer
-            mask = InvariantKeys.of(mask, self._invariance)
+            mask = self._invariance.keys_of(mask)
         x = self.dropout(self.embed(tokens))
         rotary = self.rotary.tables(positions)
         for i, block in enumerate(self.blocks):

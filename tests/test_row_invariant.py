@@ -124,6 +124,24 @@ def test_row_invariant_attention_is_sdpa_and_a_row_alone_in_any_batch():
     torch.testing.assert_close(four, together, rtol=1e-5, atol=1e-5)
 
 
+def test_the_keys_order_is_reused_for_an_equal_mask_and_recomputed_for_another():
+    """`RowInvariance.keys_of` (a sampler's steps within a block share their mask): an equal mask in a new tensor
+    gets the previous call's order, which is bit for bit `InvariantKeys.of`'s; another mask gets its own."""
+    from blockgen.models.backbone import InvariantKeys, RowInvariance
+
+    _, _, _, mask = _left_padded_attention([70, 20, 150], 16)
+    mode = RowInvariance(16)
+    first = mode.keys_of(mask)
+    assert mode.keys_of(mask.clone()) is first
+    fresh = InvariantKeys.of(mask, RowInvariance(16))
+    assert torch.equal(first.order, fresh.order) and torch.equal(first.bias, fresh.bias)
+    other = mask.clone()
+    other[0, 0, -1, -1] = False  # one query no longer sees its own key
+    changed = mode.keys_of(other)
+    assert changed is not first and not torch.equal(changed.bias, first.bias)
+    assert mode.keys_of(mask[:2]) is not changed  # another batch: another shape
+
+
 def test_the_gpu_grouping_of_products_keeps_a_row_invariant(monkeypatch):
     """What `INVARIANT_MATRIX_GROUP` does on CUDA, run here on the CPU's kernels (groups of 3: every count pads):
     each product of a batch equals its product alone, shared and per-matrix operands alike, and texts stay bit for
