@@ -137,7 +137,7 @@ def test_cli_trains_and_torchrun_two_processes(workdir):
     """`blockgen train` through torchrun with 2 CPU processes (gloo): one block size per rank (Algorithm 1)."""
     out = workdir / "ddp"
     cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", "-m", "blockgen.harness.cli",
+        PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "blockgen.harness.cli",
         "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--eval-every", "6", "--save-every", "6",
         "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
     ]

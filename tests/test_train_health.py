@@ -132,7 +132,7 @@ def test_torchrun_stops_every_rank_on_a_non_finite_loss(workdir):
     crashes, and the step's record holds the non-finite value as a string."""
     out, logs = workdir / "ddp-nan", workdir / "ddp-nan-logs"
     cmd = [
-        PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29532", f"--log-dir={logs}", "--tee=2",
+        PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"--log-dir={logs}", "--tee=2",
         "-m", "blockgen.harness.cli",
         "train", "--preset", "ci", "--out-dir", str(out), "--max-steps", "6", "--lr", "1e30", "--warmup-steps", "1",
         "--save-every", "1", "--data.cache-dir", str(workdir / "data-cache"), "--device", "cpu",
