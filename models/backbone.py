@@ -412,11 +412,13 @@ class InvariantKeys:
         bias = bias.view(b, 1, -1, span // width, width).transpose(2, 3).contiguous()
         return cls(order, bias, mode)
 
-    def gather(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, name: str, ones: bool = False) -> torch.Tensor:
         """Keys or values (B, H, S, D) in the rows' order, (B H span / chunk, chunk, D): one `index_select` of
         D-vectors from the cache's buffer that `t` is a view of (`torch.gather` on the strided view measured ~2x
         slower at batch 8). Past S it picks written slots of the buffer: a key no query sees gets weight 0 exactly, and its value is
-        finite (padding tokens attend to themselves; other slots hold keys or the buffer's zeros), so it adds 0."""
+        finite (padding tokens attend to themselves; other slots hold keys or the buffer's zeros), so it adds 0.
+        `ones`: a column of ones after the D (..., D + 1), so that one product gives the weighted values and the sum
+        of the weights."""
         b, h, s, d = t.shape
         if t.stride(3) != 1 or t.stride(2) != d or t.stride(0) != h * t.stride(1):  # not a view of a (B, H, slots, D)
             t = t.contiguous()
@@ -425,20 +427,20 @@ class InvariantKeys:
         if index is None:
             base = torch.arange(b * h, device=t.device).view(b, h, 1) * slots
             index = self.indices[h, slots] = (base + self.order.clamp(max=slots - 1)[:, None, :]).view(-1)
-        scratch = self.mode.scratch
+        scratch, width = self.mode.scratch, d + ones
         out = scratch.get(name)
-        if out is None or out.shape != (b * h * self.span, d) or out.dtype != t.dtype:
-            out = scratch[name] = t.new_empty(b * h * self.span, d)
-        torch.index_select(t.as_strided((b * h * slots, d), (d, 1)), 0, index, out=out)
-        return out.view(-1, INVARIANT_KEY_ROWS, d)
+        if out is None or out.shape != (b * h * self.span, width) or out.dtype != t.dtype:
+            out = scratch[name] = t.new_ones(b * h * self.span, width)  # (index_select writes the first D columns)
+        torch.index_select(t.as_strided((b * h * slots, d), (d, 1)), 0, index, out=out[:, :d])
+        return out.view(-1, INVARIANT_KEY_ROWS, width)
 
 
 def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
     """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch.
 
     The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.mode.query_rows`. Every product
-    is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x D) matrices (through
-    `invariant_bmm`, a chunk's sums of weights too: a product with ones); the softmax's maximum runs over all chunks
+    is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x (D + 1)) matrices (through
+    `invariant_bmm`; the values' extra column of ones gives a chunk's sums of weights in the same product); the softmax's maximum runs over all chunks
     (exact in any order), the sums and the weighted values are added over the chunks one by one in chunk order, and
     divided last. So the chunks past a row's own
     keys, which a batch adds, change nothing: their weights are exactly 0 (a key no query of the row sees), their
@@ -446,23 +448,22 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     b, h, n, d = q.shape
     pairs, rows, width, chunks = b * h, keys.mode.query_rows, INVARIANT_KEY_ROWS, keys.bias.shape[2]
     kt = keys.gather(k, "keys").transpose(1, 2)  # (pairs chunks, D, width)
-    vs = keys.gather(v, "values")
+    # the values with a column of ones: a chunk's sum of weights comes from the same product as its weighted values
+    # (a product, not a sum kernel: a GPU's may reduce a row by the row count)
+    vs = keys.gather(v, "values", ones=True)
     padded = keys.bias.shape[3]
     q = F.pad(q * (1.0 / math.sqrt(d)), (0, 0, 0, padded - n))
-    ones = q.new_ones(width, 1)
     out = []
     for start in range(0, padded, rows):
         chunk = q[:, :, None, start : start + rows].expand(b, h, chunks, rows, d).reshape(pairs * chunks, rows, d)
         scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width).add_(keys.bias[:, :, :, start : start + rows])
         weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_().view(pairs * chunks, rows, width)
-        values = invariant_bmm(weights, vs).view(b, h, chunks, rows, d)
-        # each chunk's sum of weights as a product too (a GPU's sum kernel may reduce a row by the row count)
-        total = invariant_bmm(weights, shared(ones, pairs * chunks)).view(b, h, chunks, rows)
-        total_sum, values_sum = total[:, :, 0], values[:, :, 0]
-        for c in range(1, chunks):  # in chunk order, one add each (a cumsum computes every partial sum)
-            total_sum, values_sum = total_sum + total[:, :, c], values_sum + values[:, :, c]
-        out.append(values_sum / total_sum[..., None])
-    return torch.cat(out, dim=2)[:, :, :n]
+        both = invariant_bmm(weights, vs).view(b, h, chunks, rows, d + 1)  # weighted values, sum of weights
+        summed = both[:, :, 0]
+        for c in range(1, chunks):  # in chunk order, one add each
+            summed = summed + both[:, :, c]
+        out.append(summed[..., :d] / summed[..., d:])
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=2))[:, :, :n]
 
 
 class Attention(nn.Module):
