@@ -357,8 +357,9 @@ def compiled_flex_attention():
 
 @dataclass
 class RowInvariance:
-    """The row-invariant mode's settings for cached calls (`DiT.row_invariant`): the chunk of query rows, and the
-    gathered keys and values (`InvariantKeys.gather`), allocated once for the mode's calls."""
+    """The row-invariant mode's settings for cached calls (`DiT.row_invariant`): the chunk of query rows, the
+    gathered keys and values (`InvariantKeys.gather`), allocated once for the mode's calls, and the last call's keys'
+    order (`keys_of`)."""
 
     query_rows: int
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -376,7 +377,8 @@ class RowInvariance:
 
 @dataclass
 class InvariantKeys:
-    """A cached call's keys as `row_invariant_attention` reads them, gathered once per call for every layer.
+    """A cached call's keys as `row_invariant_attention` reads them: the order once for every layer (and for the
+    following calls with the same mask, `RowInvariance.keys_of`), the keys and values gathered per layer.
 
     `order` (B, span) puts each row's keys in slot order, those its queries see first (a row of a batch sits behind
     padding it lacks alone), then those only a query that sees nothing else sees (itself: a padding query, or a lone

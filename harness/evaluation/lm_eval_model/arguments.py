@@ -48,7 +48,7 @@ class BlockGenLMArgs:
     # Batches in the network's row-invariant mode (models/backbone.py, `DiT.row_invariant`), so a score or a text is
     # bit for bit the same whatever --batch_size and the other rows. None: log-likelihoods on a CPU only (about the
     # fastest path's cost there at batch 8-32); generation stays on the fastest path (the invariant one costs it
-    # 1.21-1.79x on a CPU): bench/README.md and docs/lm_eval.md, "Batch invariance".
+    # 1.1-2.0x on a CPU, by sampler and batch): bench/README.md and docs/lm_eval.md, "Batch invariance".
     batch_invariant: bool | None = None
     # Rows per generate_until batch; None: --batch_size (which, as in lm-eval's hf backend, sizes the
     # log-likelihood batches). A positive integer; 'auto' is --batch_size's (leave this unset for it).
