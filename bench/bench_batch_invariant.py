@@ -5,7 +5,7 @@
     .venv/bin/python bench/bench_batch_invariant.py --model-len 512   # the same work in a model of 512 positions
 
 For the micro and tiny shapes (random weights: timing only; by default a model exactly as long as the longest
-generation): `generate()` tokens/s of ARPC, ancestral, low-confidence remasking and AR greedy and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
+generation): `generate()` tokens/s of every registered sampler kind (ARPC, ancestral, low-confidence remasking, EIPC, confidence threshold, entropy bounded, AR greedy) and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
 - batched: `batch_invariant=False`, the fastest;
 - invariant: `batch_invariant=True` (likelihoods: windows grouped by width and batched in the network's row-invariant
   mode; generation: the batch in that mode with a KV cache);
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     samplers = {"arpc(3,3,0)": SamplerConfig("arpc", steps=3, ge=3, max_new_tokens=NEW_TOKENS),
                 "ancestral N4": SamplerConfig("ancestral", steps=4, max_new_tokens=NEW_TOKENS),
                 "low_confidence N4": SamplerConfig("low_confidence", steps=4, max_new_tokens=NEW_TOKENS),
+                "eipc N4 GE2": SamplerConfig("eipc", steps=4, ge=2, max_new_tokens=NEW_TOKENS),
+                "confidence_threshold": SamplerConfig("confidence_threshold", steps=16, max_new_tokens=NEW_TOKENS),
+                "entropy_bounded": SamplerConfig("entropy_bounded", steps=16, max_new_tokens=NEW_TOKENS),
                 "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=NEW_TOKENS)}
     print(f"batch invariance: batched, invariant and row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
           f"{NEW_TOKENS} new, L' = 16, model length {args.model_len}; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "

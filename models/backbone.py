@@ -124,7 +124,8 @@ INVARIANT_ROWS = 8
 # ... and attention multiplies chunks of this many query rows (a block of L' = 16 is one chunk; generation with
 # smaller blocks passes 2 L', a call's most)
 INVARIANT_QUERY_ROWS = 16
-# ... against chunks of this many keys (a batch adds chunks past a row's keys; they change nothing)
+# ... against chunks of this many keys (a batch adds chunks past a row's keys; they change nothing); a row's span, the
+# keys `per_span_attention` gives it, is whole chunks of it
 INVARIANT_KEY_ROWS = 64
 
 
@@ -172,8 +173,6 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     does not depend on its place in the chunk, nor on the chunk count (tests/test_row_invariant.py checks both on this
     machine's kernels). `weight_t`: `weight.t()` made contiguous, if the caller keeps one (the batched GEMM ran
     ~1.2x faster on it than on the transposed view, measured on the tiny model's shapes)."""
-    if x.dim() == 2 and x.shape[0] > 1 and x.stride(0) == 0:  # one row broadcast (a shared adaLN input): once
-        return fixed_shape_linear(x[:1], weight, bias, rows, weight_t).expand(x.shape[0], -1)
     *lead, k = x.shape
     flat = x.reshape(-1, k)
     m = flat.shape[0]
@@ -357,12 +356,15 @@ def compiled_flex_attention():
 
 @dataclass
 class RowInvariance:
-    """The row-invariant mode's settings for cached calls (`DiT.row_invariant`): the chunk of query rows, the
-    gathered keys and values (`InvariantKeys.gather`), allocated once for the mode's calls, and the last call's keys'
-    order (`keys_of`)."""
+    """The row-invariant mode's settings and what it keeps across calls (`DiT.row_invariant`): the chunk of query
+    rows, the gathered keys and values (`InvariantKeys.gather`), allocated once for the mode's calls, the last call's
+    keys' order (`keys_of`), and a time-unconditional model's conditioning row and adaLN outputs (`ConstantCondition`:
+    functions of the weights alone, which the mode's calls do not change)."""
 
     query_rows: int
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    condition: torch.Tensor | None = None
+    adaln_outputs: dict[nn.Module, torch.Tensor] = field(default_factory=dict)
     last: tuple[torch.Tensor, "InvariantKeys"] | None = None  # the previous call's mask and its keys' order
 
     def keys_of(self, mask: torch.Tensor) -> "InvariantKeys":
@@ -382,14 +384,15 @@ class InvariantKeys:
 
     `order` (B, span) puts each row's keys in slot order, those its queries see first (a row of a batch sits behind
     padding it lacks alone), then those only a query that sees nothing else sees (itself: a padding query, or a lone
-    token), then any others; `span` covers the batch's first two groups in whole chunks of `INVARIANT_KEY_ROWS`.
-    `bias` (B, 1, chunks, n', INVARIANT_KEY_ROWS) is the mask in that order as 0 / -inf, queries padded to whole
-    chunks of `mode.query_rows` (padding queries see every key: finite)."""
+    token), then any others; `spans` is each row's count of the first two groups in whole chunks of
+    `INVARIANT_KEY_ROWS` (what the batch would be alone), `span` the largest. `allowed` (B, 1, n, span) is the mask
+    in that order."""
 
     order: torch.Tensor
-    bias: torch.Tensor
+    allowed: torch.Tensor
+    spans: list[int]
     mode: RowInvariance
-    indices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # `gather`'s, per (heads, slots)
+    indices: dict[tuple[int, int, bool], torch.Tensor] = field(default_factory=dict)  # `gather`'s, per (heads, slots, by_span)
 
     @property
     def span(self) -> int:
@@ -398,37 +401,74 @@ class InvariantKeys:
     @classmethod
     def of(cls, mask: torch.Tensor, mode: RowInvariance) -> "InvariantKeys":
         b, _, n, s = mask.shape
-        rows, width = mode.query_rows, INVARIANT_KEY_ROWS
+        width = INVARIANT_KEY_ROWS
         only_itself = mask.sum(-1, keepdim=True) == 1
         seen = (mask & ~only_itself).any(dim=2)[:, 0]  # (B, S)
         lone = (mask & only_itself).any(dim=2)[:, 0] & ~seen
         rank = 2 - 2 * seen.to(torch.int8) - lone.to(torch.int8)
         order = torch.argsort(rank, dim=-1, stable=True)
-        span = max(1, -(-int((seen | lone).sum(-1).max()) // width)) * width  # the call's one read-back
+        spans = [max(1, -(-int(c) // width)) * width for c in (seen | lone).sum(-1).tolist()]  # the call's one read-back
+        span = max(spans)
         order = order[:, :span] if span <= s else torch.cat(
             [order, torch.arange(s, span, device=order.device).expand(b, -1)], dim=1)  # past S: any slot (`gather`)
         allowed = mask.gather(3, order.clamp(max=s - 1)[:, None, None, :].expand(b, 1, n, span))
         allowed[..., s:] = False
-        bias = torch.zeros(b, 1, -(-n // rows) * rows, span, device=mask.device)
-        bias[:, :, :n].masked_fill_(~allowed, -torch.inf)
-        bias = bias.view(b, 1, -1, span // width, width).transpose(2, 3).contiguous()
-        return cls(order, bias, mode)
+        return cls(order, allowed, spans, mode)
 
-    def gather(self, t: torch.Tensor, name: str, ones: bool = False) -> torch.Tensor:
+    @functools.cached_property
+    def chunk_bias(self) -> torch.Tensor:
+        """(B, 1, chunks, n', INVARIANT_KEY_ROWS): `allowed` as 0 / -inf in chunks of keys, the queries padded to whole
+        chunks of `mode.query_rows` (padding queries see every key: finite)."""
+        b, _, n, span = self.allowed.shape
+        rows = self.mode.query_rows
+        bias = torch.zeros(b, 1, -(-n // rows) * rows, span, device=self.allowed.device)
+        bias[:, :, :n].masked_fill_(~self.allowed, -torch.inf)
+        return bias.view(b, 1, -1, span // INVARIANT_KEY_ROWS, INVARIANT_KEY_ROWS).transpose(2, 3).contiguous()
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """The batch's rows by their span: (first row, end row, span, bias (rows, 1, n, span) as 0 / -inf), the
+        rows in `gather`'s row order (`row_order`: by span, so a group is a slice)."""
+        bias = torch.zeros(self.allowed.shape, device=self.allowed.device).masked_fill_(~self.allowed, -torch.inf)
+        if self.row_order is not None:
+            bias = bias[self.row_order]
+        spans, groups, start = sorted(self.spans), [], 0
+        for span in dict.fromkeys(spans):
+            end = start + spans.count(span)
+            groups.append((start, end, span, bias[start:end, :, :, :span].contiguous()))
+            start = end
+        return groups
+
+    @functools.cached_property
+    def row_order(self) -> torch.Tensor | None:
+        """The rows sorted by span (stable), or None where they already are."""
+        if self.spans == sorted(self.spans):
+            return None
+        return torch.tensor(sorted(range(len(self.spans)), key=self.spans.__getitem__), device=self.order.device)
+
+    @functools.cached_property
+    def rows_back(self) -> torch.Tensor | None:
+        """`row_order`'s inverse: the batch's order from the sorted one."""
+        return None if self.row_order is None else torch.argsort(self.row_order)
+
+    def gather(self, t: torch.Tensor, name: str, ones: bool = False, by_span: bool = False) -> torch.Tensor:
         """Keys or values (B, H, S, D) in the rows' order, (B H span / chunk, chunk, D): one `index_select` of
         D-vectors from the cache's buffer that `t` is a view of (`torch.gather` on the strided view measured ~2x
         slower at batch 8). Past S it picks written slots of the buffer: a key no query sees gets weight 0 exactly, and its value is
         finite (padding tokens attend to themselves; other slots hold keys or the buffer's zeros), so it adds 0.
         `ones`: a column of ones after the D (..., D + 1), so that one product gives the weighted values and the sum
-        of the weights."""
+        of the weights. `by_span`: the rows in `row_order`."""
         b, h, s, d = t.shape
         if t.stride(3) != 1 or t.stride(2) != d or t.stride(0) != h * t.stride(1):  # not a view of a (B, H, slots, D)
             t = t.contiguous()
         slots = t.stride(1) // d
-        index = self.indices.get((h, slots))
+        index = self.indices.get((h, slots, by_span))
         if index is None:
-            base = torch.arange(b * h, device=t.device).view(b, h, 1) * slots
-            index = self.indices[h, slots] = (base + self.order.clamp(max=slots - 1)[:, None, :]).view(-1)
+            rows, order = torch.arange(b, device=t.device), self.order
+            if by_span and self.row_order is not None:
+                rows, order = self.row_order, order[self.row_order]
+            base = (rows.view(b, 1, 1) * h + torch.arange(h, device=t.device).view(1, h, 1)) * slots
+            index = self.indices[h, slots, by_span] = (base + order.clamp(max=slots - 1)[:, None, :]).view(-1)
         scratch, width = self.mode.scratch, d + ones
         out = scratch.get(name)
         if out is None or out.shape != (b * h * self.span, width) or out.dtype != t.dtype:
@@ -437,8 +477,45 @@ class InvariantKeys:
         return out.view(-1, INVARIANT_KEY_ROWS, width)
 
 
+# The CPU's flash attention kernel cuts a call's queries in blocks of 32 when it has fewer than 192 (of 64 or 256
+# above): `per_span_attention` passes at most this many (a multiple of 32 below 192) per call
+FLASH_QUERY_CALL = 160
+
+
 def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
-    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch.
+    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch: on a CPU in
+    float32 `per_span_attention`; otherwise (reduced precision, whose CPU kernel packs by the batch's size; a device
+    that `INVARIANT_MATRIX_GROUP` names) `chunked_attention`."""
+    if q.device.type == "cpu" and q.dtype == torch.float32 and "cpu" not in INVARIANT_MATRIX_GROUP:
+        return per_span_attention(q, k, v, keys)
+    return chunked_attention(q, k, v, keys)
+
+
+def per_span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
+    """The CPU's SDPA kernel, given per row exactly what it would get alone: the rows grouped by their span (the keys
+    they would have alone, in whole chunks of `INVARIANT_KEY_ROWS`), each group's keys gathered in the row's order
+    and cut at its span, so a row's keys, their count and their mask are those of the row alone. The kernel computes
+    each (row, head, block of 32 queries) on one thread from that unit's data and shapes alone (query blocks of 32
+    in calls of at most `FLASH_QUERY_CALL` queries: a row's left padding is whole 32-token buckets, so the blocks line
+    up with the row's alone)."""
+    b, h, n, d = q.shape
+    kt = keys.gather(k, "keys", by_span=True).view(b, h, keys.span, d)
+    vt = keys.gather(v, "values", by_span=True).view(b, h, keys.span, d)
+    if keys.row_order is not None:
+        q = q.index_select(0, keys.row_order)
+    groups = []
+    for first, end, span, bias in keys.groups:
+        calls = [F.scaled_dot_product_attention(q[first:end, :, start : start + FLASH_QUERY_CALL], kt[first:end, :, :span],
+                                                vt[first:end, :, :span], attn_mask=bias[:, :, start : start + FLASH_QUERY_CALL])
+                 for start in range(0, n, FLASH_QUERY_CALL)]
+        groups.append(calls[0] if len(calls) == 1 else torch.cat(calls, dim=2))
+    y = groups[0] if len(groups) == 1 else torch.cat(groups)
+    return y if keys.rows_back is None else y.index_select(0, keys.rows_back)
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: InvariantKeys) -> torch.Tensor:
+    """SDPA (B, H, n, D) against keys (B, H, S, D) so that a row's result does not depend on the batch, from
+    fixed-shape products.
 
     The keys in `keys`' order, in chunks of `INVARIANT_KEY_ROWS`; the queries in chunks of `keys.mode.query_rows`. Every product
     is a batch of fixed-shape (rows x D) x (D x chunk) and (rows x chunk) x (chunk x (D + 1)) matrices (through
@@ -448,17 +525,17 @@ def row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     keys, which a batch adds, change nothing: their weights are exactly 0 (a key no query of the row sees), their
     sums and products exactly 0, and adding 0 is exact."""
     b, h, n, d = q.shape
-    pairs, rows, width, chunks = b * h, keys.mode.query_rows, INVARIANT_KEY_ROWS, keys.bias.shape[2]
+    pairs, rows, width, chunks = b * h, keys.mode.query_rows, INVARIANT_KEY_ROWS, keys.chunk_bias.shape[2]
     kt = keys.gather(k, "keys").transpose(1, 2)  # (pairs chunks, D, width)
     # the values with a column of ones: a chunk's sum of weights comes from the same product as its weighted values
     # (a product, not a sum kernel: a GPU's may reduce a row by the row count)
     vs = keys.gather(v, "values", ones=True)
-    padded = keys.bias.shape[3]
+    padded = keys.chunk_bias.shape[3]
     q = F.pad(q * (1.0 / math.sqrt(d)), (0, 0, 0, padded - n))
     out = []
     for start in range(0, padded, rows):
         chunk = q[:, :, None, start : start + rows].expand(b, h, chunks, rows, d).reshape(pairs * chunks, rows, d)
-        scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width).add_(keys.bias[:, :, :, start : start + rows])
+        scores = invariant_bmm(chunk, kt).view(b, h, chunks, rows, width).add_(keys.chunk_bias[:, :, :, start : start + rows])
         weights = scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_().view(pairs * chunks, rows, width)
         both = invariant_bmm(weights, vs).view(b, h, chunks, rows, d + 1)  # weighted values, sum of weights
         summed = both[:, :, 0]
@@ -490,6 +567,27 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, n, d))
 
 
+@dataclass
+class ConstantCondition:
+    """The adaLN input of a time-unconditional model in the row-invariant mode: one row (t = 0) for every row of
+    every call, so each adaLN layer's output for it is computed once for the mode (`outputs`, kept by the mode)."""
+
+    row: torch.Tensor  # (1, cond_dim)
+    batch: int
+    outputs: dict[nn.Module, torch.Tensor]
+
+    def through(self, layer: nn.Module) -> torch.Tensor:
+        out = self.outputs.get(layer)
+        if out is None:
+            out = self.outputs[layer] = layer(self.row)
+        return out.expand(self.batch, -1)
+
+
+def adaln(layer: nn.Module, cond: "torch.Tensor | ConstantCondition") -> torch.Tensor:
+    """The adaLN layer's output (B, width) for the conditioning (B, cond_dim)."""
+    return cond.through(layer) if isinstance(cond, ConstantCondition) else layer(cond)
+
+
 class DiTBlock(nn.Module):
     def __init__(self, cfg: BackboneConfig) -> None:
         super().__init__()
@@ -508,7 +606,7 @@ class DiTBlock(nn.Module):
         if cond is None:  # no adaLN: plain pre-norm block (gates 1, no shift or scale)
             x = x + self.dropout(self.attn(self.norm1(x), rotary, mask, cache, layer, n_commit))
             return x + self.dropout(self.mlp(self.norm2(x)))
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN(cond)[:, None].chunk(6, dim=-1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = adaln(self.adaLN, cond)[:, None].chunk(6, dim=-1)
         h = self.attn(modulate(self.norm1(x), shift1, scale1), rotary, mask, cache, layer, n_commit)
         x = x + gate1 * self.dropout(h)
         h = self.mlp(modulate(self.norm2(x), shift2, scale2))
@@ -546,7 +644,7 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
         if cond is None:
             return self.linear(self.norm(x))
-        shift, scale = self.adaLN(cond)[:, None].chunk(2, dim=-1)
+        shift, scale = adaln(self.adaLN, cond)[:, None].chunk(2, dim=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
@@ -572,11 +670,12 @@ class DiT(nn.Module):
         """Within it, a batch row's outputs are those of the row alone, bit for bit, when its tensors are laid out as
         they would be alone (same width and padding: the callers' buckets, whole multiples of 32 tokens): every linear
         layer runs on fixed-shape chunks of `rows` token rows (`fixed_shape_linear`) and the adaLN conditioning is
-        computed per row (or once: it is the same for every row of a time-unconditional model). Attention and
-        normalisation compute each row (and head) on its own, and elementwise kernels round an element the same way
-        wherever it sits except in the vector remainder at a tensor's end, which a (rows x 32k tokens x width) tensor
-        does not have. A cached call's attention (`row_invariant_attention`) runs on chunks of `query_rows` queries
-        and `INVARIANT_KEY_ROWS` keys."""
+        computed per row (or once for the mode: it is the same for every row and call of a time-unconditional model,
+        `ConstantCondition`). Attention and normalisation compute each row (and head) on its own, and elementwise
+        kernels round an element the same way wherever it sits except in the vector remainder at a tensor's end, which
+        a (rows x 32k tokens x width) tensor does not have. A cached call's attention is `row_invariant_attention`
+        (the chunked products take chunks of `query_rows` queries). For inference: what the mode keeps across calls
+        is computed from the weights as they are when it is entered."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             m.rows, m.weight_t = rows, m.weight.detach().t().contiguous()
@@ -588,8 +687,8 @@ class DiT(nn.Module):
             for m in linears:
                 m.rows, m.weight_t = None, None
 
-    def conditioning(self, batch: int, device, sigma: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The adaLN input c (B, cond_dim), or None without adaLN.
+    def conditioning(self, batch: int, device, sigma: torch.Tensor | None = None) -> torch.Tensor | ConstantCondition | None:
+        """The adaLN input c (B, cond_dim), or None without adaLN (a `ConstantCondition` in the row-invariant mode).
 
         Time-unconditional models embed t = 0 (a learned constant; the authors' sigma = 0 is the same
         input). With `time_conditioning`, `sigma` (B,) = -log alpha_t is embedded instead.
@@ -597,8 +696,11 @@ class DiT(nn.Module):
         if not self.cfg.adaln:
             return None
         if sigma is None or not self.cfg.time_conditioning:
-            if self._invariance is not None:  # one vector for all rows, computed as for a row alone
-                return self._embed_time(torch.zeros(1, device=device)).expand(batch, -1)
+            if self._invariance is not None:  # one row for all rows and calls, computed once for the mode
+                mode = self._invariance
+                if mode.condition is None:
+                    mode.condition = self._embed_time(torch.zeros(1, device=device))
+                return ConstantCondition(mode.condition, batch, mode.adaln_outputs)
             sigma = torch.zeros(batch, device=device)
         if self._invariance is not None:
             # row by row: an elementwise kernel computes the last elements of a (B, cond_dim) tensor (its vector

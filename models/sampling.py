@@ -565,7 +565,7 @@ def generate(
     reverse step (tests).
 
     `batch_invariant=True` runs the batch in the network's row-invariant mode (`DiT.row_invariant`: fixed-shape
-    matrix products, each row's keys gathered in one order and attended in fixed chunks), so a row's text is bit for bit the
+    matrix products, each row's keys gathered in one order and attended as the row alone would: `row_invariant_attention`), so a row's text is bit for bit the
     one it gets alone, in any batch and order (bench/README.md, "Batch invariance", for the cost). Without a cache or
     with `compile`, it runs every row as a batch of one instead (model_calls and n_blocks then summed over the rows).
 

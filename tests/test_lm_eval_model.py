@@ -95,9 +95,9 @@ def test_score_does_not_depend_on_padding(ckpts):
 
 
 def test_scores_and_texts_are_bitwise_the_same_for_every_batch_size(ckpts):
-    """batch_invariant: log-likelihoods and rolling log-likelihoods (the default on a CPU) and texts
-    (batch_invariant=true) of batch sizes 1, 7 and 16, and of the requests in shuffled order, are bit
-    for bit equal."""
+    """batch_invariant: log-likelihoods, rolling log-likelihoods and a diffusion sampler's texts (the default on a
+    CPU) and AR decoding's texts (batch_invariant=true) of batch sizes 1, 7 and 16, and of the requests in shuffled
+    order, are bit for bit equal."""
     starts = ["the red cat sees the", "one plus two is", "the quiet mouse likes the old", "four plus four is"]
     contexts = [f"{word} {start}" for word in ("the", "a", "two", "one") for start in starts]  # 16 distinct requests
     pairs = [(c, f" {w}") for c, w in zip(contexts, ["ball", "three", "box", "eight"] * 4)]
@@ -105,19 +105,23 @@ def test_scores_and_texts_are_bitwise_the_same_for_every_batch_size(ckpts):
     runs = {}
     for batch in (1, 7, 16):
         lm = _lm(ckpts["mixture"], batch_size=batch, seed=3)
-        assert lm.batch_invariant == {"likelihood": True, "generation": False}  # the default on a CPU
+        assert lm.batch_invariant == {"likelihood": True, "generation": True, "autoregressive_generation": False}
         invariant = lm.with_settings(batch_invariant=True)
-        assert invariant.batch_invariant == {"likelihood": True, "generation": True}
+        assert invariant.batch_invariant == dict.fromkeys(lm.batch_invariant, True)
+        plain = lm.with_settings(batch_invariant=False)
+        assert plain.batch_invariant == dict.fromkeys(lm.batch_invariant, False)
         for shuffle in ((False, True) if batch == 16 else (False,)):
             rows = order if shuffle else list(range(len(pairs)))
             ll = lm.loglikelihood(_requests("loglikelihood", [pairs[i] for i in rows]))
             rolling = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(contexts[i],) for i in rows]))
-            texts = invariant.generate_until(_requests("generate_until", [(contexts[i], {"until": ["."], "max_gen_toks": 16}) for i in rows]))
+            texts = lm.generate_until(_requests("generate_until", [(contexts[i], {"until": ["."], "max_gen_toks": 16}) for i in rows]))
+            ar_texts = invariant.generate_until(_requests("generate_until", [
+                (contexts[i], {"until": ["."], "max_gen_toks": 16, "sampler": "ar_sample", "temperature": 1.0}) for i in rows]))
             back = sorted(range(len(rows)), key=rows.__getitem__)  # undo the shuffle
-            runs[batch, shuffle] = ([ll[i] for i in back], [rolling[i] for i in back], [texts[i] for i in back])
+            runs[batch, shuffle] = tuple([part[i] for i in back] for part in (ll, rolling, texts, ar_texts))
     first = runs[1, False]
     for key, run in runs.items():
-        for part in range(3):
+        for part in range(4):
             diff = [(i, a, b) for i, (a, b) in enumerate(zip(run[part], first[part])) if a != b]
             assert not diff, (key, part, diff[:3])
 

@@ -102,25 +102,30 @@ def _left_padded_attention(lengths: list[int], n: int, heads: int = 3, d: int = 
     return q, keys[:, :, :s], values[:, :, :s], mask
 
 
-def test_row_invariant_attention_is_sdpa_and_a_row_alone_in_any_batch():
-    """`row_invariant_attention` against SDPA (float rounding apart) on rows of 20, 70 and 150 keys (1, 2 and 3
-    chunks of 64), and each row bit for bit the same alone (its own keys only, as a batch of one) as in the batch,
-    where the longer rows add key chunks and left padding the row lacks alone."""
-    from blockgen.models.backbone import InvariantKeys, RowInvariance, row_invariant_attention
+@pytest.mark.parametrize("attention", ["per_span_attention", "chunked_attention"])
+@pytest.mark.parametrize("lengths, n", [([70, 20, 150], 16), ([250, 300, 200, 320], 200)])
+def test_row_invariant_attention_is_sdpa_and_a_row_alone_in_any_batch(attention, lengths, n):
+    """Both invariant attentions (the CPU's in float32, `per_span_attention`, and the fixed-shape products,
+    `chunked_attention`) against SDPA (float rounding apart), and each row bit for bit the same alone (its own keys
+    only, as a batch of one) as in the batch, where the longer rows add key chunks and left padding the row lacks
+    alone: rows of 1 to 5 chunks of 64 keys (a row at least as long as its queries), their spans out of order (the per-span path sorts the rows), and 16
+    queries (one query chunk) or 200 (past `FLASH_QUERY_CALL`: several calls)."""
+    from blockgen.models import backbone
+    from blockgen.models.backbone import InvariantKeys, RowInvariance
 
-    lengths, n = [70, 20, 150], 16
-    q, k, v, mask = _left_padded_attention(lengths, n)
-    together = row_invariant_attention(q, k, v, InvariantKeys.of(mask, RowInvariance(16)))
+    attend = getattr(backbone, attention)
+    q, k, v, mask = _left_padded_attention(lengths, n, slots=320)
+    together = attend(q, k, v, InvariantKeys.of(mask, RowInvariance(16)))
     reference = F.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask)
     torch.testing.assert_close(together, reference, rtol=1e-5, atol=1e-5)
     s = max(lengths)
     for i, length in enumerate(lengths):
         own = slice(s - length, s)
-        alone = row_invariant_attention(q[i : i + 1], k[i : i + 1, :, own], v[i : i + 1, :, own],
-                                        InvariantKeys.of(mask[i : i + 1, :, :, own], RowInvariance(16)))
+        alone = attend(q[i : i + 1], k[i : i + 1, :, own], v[i : i + 1, :, own],
+                       InvariantKeys.of(mask[i : i + 1, :, :, own], RowInvariance(16)))
         assert torch.equal(alone[0], together[i]), i
     # the query chunk: 4 rows at a time give the same numbers for a row as 16 (only the chunks' shapes differ)
-    four = row_invariant_attention(q, k, v, InvariantKeys.of(mask, RowInvariance(4)))
+    four = attend(q, k, v, InvariantKeys.of(mask, RowInvariance(4)))
     torch.testing.assert_close(four, together, rtol=1e-5, atol=1e-5)
 
 
@@ -134,11 +139,11 @@ def test_the_keys_order_is_reused_for_an_equal_mask_and_recomputed_for_another()
     first = mode.keys_of(mask)
     assert mode.keys_of(mask.clone()) is first
     fresh = InvariantKeys.of(mask, RowInvariance(16))
-    assert torch.equal(first.order, fresh.order) and torch.equal(first.bias, fresh.bias)
+    assert torch.equal(first.order, fresh.order) and torch.equal(first.allowed, fresh.allowed)
     other = mask.clone()
     other[0, 0, -1, -1] = False  # one query no longer sees its own key
     changed = mode.keys_of(other)
-    assert changed is not first and not torch.equal(changed.bias, first.bias)
+    assert changed is not first and not torch.equal(changed.allowed, first.allowed)
     assert mode.keys_of(mask[:2]) is not changed  # another batch: another shape
 
 
@@ -205,10 +210,10 @@ def test_many_short_windows_with_many_draws_are_bitwise_the_same_alone(prior):
         assert together == alone, trial
 
 
-def _random_model(prior: str, vocab: int = VOCAB):
+def _random_model(prior: str, vocab: int = VOCAB, shape: str = "narrow"):
     from blockgen.models.model import BlockGen, BlockGenConfig
 
-    config = BlockGenConfig(vocab_size=vocab, seq_len=SEQ_LEN, prior=prior, shape=SHAPES["narrow"], block_sizes=(1, 16),
+    config = BlockGenConfig(vocab_size=vocab, seq_len=SEQ_LEN, prior=prior, shape=SHAPES[shape], block_sizes=(1, 16),
                             block_weights=(0.3, 0.7))
     torch.manual_seed(0)
     model = BlockGen(config).eval()
@@ -303,11 +308,11 @@ def test_static_shapes_give_the_same_texts_in_the_row_invariant_mode(name, prior
 def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, prior):
     """The sensitive check under the texts: the logits of every model call of rows 0, 6 and 12, alone and in the batch
     of 13 (equal budgets in whole blocks and no EOS, so the rows keep their places), equal bit for bit; the plain batched path's
-    differ (so the comparison can see a difference)."""
+    differ for one of them at least (so the comparison can see a difference)."""
     from blockgen.models.sampler_config import SamplerConfig
     from blockgen.models.sampling import generate
 
-    model, prompts = _random_model(prior, vocab=500), _prompts(500)
+    model, prompts = _random_model(prior, vocab=500, shape="wide"), _prompts(500)
     # whole blocks after each prompt: every row needs the same blocks, none leaves the batch before the others
     config = SamplerConfig(name, steps=4, ge=2, max_new_tokens=40, temperature=0.9, layout="prompt_end")
     calls: list[torch.Tensor] = []
@@ -330,7 +335,9 @@ def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, pri
         alone = logits([j])
         assert len(alone) == len(together)
         assert all(torch.equal(a[0], b[j]) for a, b in zip(alone, together)), j
-        assert not all(torch.equal(a[0], b[j]) for a, b in zip(alone, plain)), j
+    moved = [j for j in range(13) if not all(torch.equal(a[j], b[j]) for a, b in zip(together, plain))]
+    print("moved", moved)
+    assert moved
 
 
 def test_bfloat16_autocast_keeps_texts_and_likelihoods_bitwise_the_same():

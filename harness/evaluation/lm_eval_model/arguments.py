@@ -46,9 +46,9 @@ class BlockGenLMArgs:
     dtype: str = "float32"
     tf32: bool = False
     # Batches in the network's row-invariant mode (models/backbone.py, `DiT.row_invariant`), so a score or a text is
-    # bit for bit the same whatever --batch_size and the other rows. None: log-likelihoods on a CPU only (about the
-    # fastest path's cost there at batch 8-32); generation stays on the fastest path (the invariant one costs it
-    # 1.1-2.0x on a CPU, by sampler and batch): bench/README.md and docs/lm_eval.md, "Batch invariance".
+    # bit for bit the same whatever --batch_size and the other rows. None: on a CPU, log-likelihoods and the diffusion
+    # samplers' texts (at most 1.3x the fastest path's cost there), not autoregressive decoding (above it); nothing on
+    # CUDA (not measured): bench/README.md and docs/lm_eval.md, "Batch invariance".
     batch_invariant: bool | None = None
     # Rows per generate_until batch; None: --batch_size (which, as in lm-eval's hf backend, sizes the
     # log-likelihood batches). A positive integer; 'auto' is --batch_size's (leave this unset for it).

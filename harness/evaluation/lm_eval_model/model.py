@@ -62,6 +62,7 @@ from blockgen.harness.evaluation.lm_eval_model.scoring import Window, WindowScor
 from blockgen.harness.evaluation.lm_eval_model.usage import CACHED_REQUEST_TYPES, Usage, load_stored_usage
 from blockgen.harness.runtime.distributed import setup_distributed
 from blockgen.harness.runtime.precision import DTYPES, compute_precision
+from blockgen.models import samplers
 from blockgen.models.model import BlockGenConfig
 from blockgen.models.sampler_config import SamplerConfig, paper_nfe_per_block
 from blockgen.models.sampling import generate, max_prompt_len, resolve_block_size
@@ -175,11 +176,18 @@ class BlockGenLM(TemplateLM):
 
     @property
     def batch_invariant(self) -> dict[str, bool]:
-        """Per kind of request, whether its batches run in the network's row-invariant mode (the `batch_invariant`
-        model argument; unset: log-likelihoods on a CPU only, where it costs about as much as the fastest path)."""
+        """Per kind of request, whether its batches run in the network's row-invariant mode: the `batch_invariant`
+        model argument; unset, on a CPU, log-likelihoods and the diffusion samplers' texts (at most 1.3x the fastest
+        path there), not autoregressive decoding's (above it), and nothing on CUDA (not measured): bench/README.md,
+        "Batch invariance"."""
         chosen = self.args.batch_invariant
-        return {"likelihood": self._device.type != "cuda" if chosen is None else chosen,
-                "generation": bool(chosen)}
+        if chosen is not None:
+            return dict.fromkeys(("likelihood", "generation", "autoregressive_generation"), chosen)
+        cpu = self._device.type != "cuda"
+        return {"likelihood": cpu, "generation": cpu, "autoregressive_generation": False}
+
+    def _invariant_generation(self, sampler: SamplerConfig) -> bool:
+        return self.batch_invariant["autoregressive_generation" if samplers.get(sampler.name).autoregressive else "generation"]
 
     def _precision(self):
         """The context of every model call: the `dtype` and `tf32` model arguments (harness/runtime/precision.py)."""
@@ -514,7 +522,7 @@ class BlockGenLM(TemplateLM):
                 eos = -1 if batch_plans[0].ignore_eos else self.special.eos  # -1: no token stops a row
                 result = generate(self.model, [p.prompt for p in batch_plans], sampler, eos, self.special.pad,
                                   stop=[self._stop(p.until) for p in batch_plans], seeds=[p.seed for p in batch_plans],
-                                  max_new_tokens=budgets, batch_invariant=self.batch_invariant["generation"],
+                                  max_new_tokens=budgets, batch_invariant=self._invariant_generation(sampler),
                                   compile=self.args.compile)
             self.usage.generated(batch_plans[0].task, settings_record(self.config, sampler), result, len(batch),
                                  time.perf_counter() - start)
