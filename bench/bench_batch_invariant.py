@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_batch_invariant.py
     .venv/bin/python bench/bench_batch_invariant.py --sizes micro --batch-sizes 1 8 --repeats 1
     .venv/bin/python bench/bench_batch_invariant.py --model-len 512   # the same work in a model of 512 positions
+    .venv/bin/python bench/bench_batch_invariant.py --prior uniform   # a uniform-state model (default: masked)
 
 For the micro and tiny shapes (random weights: timing only; by default a model exactly as long as the longest
 generation): `generate()` tokens/s of every registered sampler kind (ARPC, ancestral, low-confidence remasking, EIPC, confidence threshold, entropy bounded, AR greedy) and `score_windows` windows/s (K_MC = 8 draws per block size, block sizes 1 and 16) at batch 1, 8 and 32, each
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prior", choices=["masked", "uniform"], default="masked")
     parser.add_argument("--model-len", type=int, default=PROMPT_LENGTHS[1] + NEW_TOKENS,
                         help="the model's positions (default: the longest prompt and its new tokens)")
     args = parser.parse_args(argv)
@@ -69,14 +71,14 @@ def main(argv: list[str] | None = None) -> None:
                 "ar_greedy": SamplerConfig("ar_greedy", max_new_tokens=NEW_TOKENS)}
     print(f"batch invariance: batched, invariant and row by row; prompts {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, "
           f"{NEW_TOKENS} new, L' = 16, model length {args.model_len}; windows {WINDOW_LENGTHS[0]}-{WINDOW_LENGTHS[1]} tokens, K_MC 8; "
-          f"{torch.get_num_threads()} threads, best of {args.repeats}; load {os.getloadavg()[0]:.2f}")
+          f"{args.prior} prior; {torch.get_num_threads()} threads, best of {args.repeats}; load {os.getloadavg()[0]:.2f}")
     modes = ("batched", "invariant", "row by row")
     header = ["model", "work", *(f"b{b} {m}" for m in modes for b in batches),
               *(f"b{b} {m[:3]}/bat" for m in modes[1:] for b in batches)]
     print(" | ".join(f"{h:>14}" for h in header))
     with torch.inference_mode():
         for size in args.sizes:
-            model = tiny_model(args.model_len, "masked", size)
+            model = tiny_model(args.model_len, args.prior, size)
             generate(model, prompts[:2], SamplerConfig("ancestral", steps=2, max_new_tokens=16), -1, 0)  # warm-up
             # run(first row, rows, invariant): row i always has seed i
             work = {name: (lambda i, b, inv, c=config: generate(model, prompts[i : i + b], c, -1, 0, seeds=list(range(i, i + b)),
