@@ -121,6 +121,10 @@ class LayerNorm(nn.Module):
 # Row-invariant mode (`DiT.row_invariant`): every linear layer multiplies chunks of this many token rows, so the
 # matrix kernel sees one shape whatever the batch (bench/README.md, "Batch invariance").
 INVARIANT_ROWS = 8
+# ... and a generation's first call (the prompts) is left-padded to a multiple of this many tokens, so that a row's
+# tokens sit at the same place in every chunk of rows and queries alone and in any batch (a chunk's rows may be
+# computed differently by place: MKL's AVX2 GEMMs do; likelihood windows use the same buckets)
+INVARIANT_WIDTH = 32
 # ... and attention multiplies chunks of this many query rows (a block of L' = 16 is one chunk; generation with
 # smaller blocks passes 2 L', a call's most)
 INVARIANT_QUERY_ROWS = 16
@@ -169,10 +173,12 @@ def fixed_shape_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     A CPU GEMM chooses its blocking, and so its order of summation, by the shape (M, K, N): a row's result moves by
     ~1e-6 relative with M. Here the rows are cut into chunks of exactly `rows` (the last one zero-padded) and
-    multiplied as one batched GEMM of (rows, K) x (K, N) matrices (`invariant_bmm`). Within one shape a row's result
-    does not depend on its place in the chunk, nor on the chunk count (tests/test_row_invariant.py checks both on this
-    machine's kernels). `weight_t`: `weight.t()` made contiguous, if the caller keeps one (the batched GEMM ran
+    multiplied as one batched GEMM of (rows, K) x (K, N) matrices (`invariant_bmm`); a (B, n, K) input's batch rows
+    each start a chunk (padded to whole chunks), because a token's result may depend on its place in the chunk (MKL's
+    AVX2 GEMMs: measured), and it does not depend on the chunk count (tests/test_row_invariant.py). `weight_t`: `weight.t()` made contiguous, if the caller keeps one (the batched GEMM ran
     ~1.2x faster on it than on the transposed view, measured on the tiny model's shapes)."""
+    if x.dim() == 3 and x.shape[1] % rows:  # every batch row starts a chunk, so its tokens sit at the same places alone
+        return fixed_shape_linear(F.pad(x, (0, 0, 0, rows - x.shape[1] % rows)), weight, bias, rows, weight_t)[:, : x.shape[1]]
     *lead, k = x.shape
     flat = x.reshape(-1, k)
     m = flat.shape[0]
@@ -664,6 +670,10 @@ class DiT(nn.Module):
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @property
+    def row_invariant_active(self) -> bool:
+        return self._invariance is not None
 
     @contextlib.contextmanager
     def row_invariant(self, rows: int = INVARIANT_ROWS, query_rows: int = INVARIANT_QUERY_ROWS):

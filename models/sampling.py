@@ -81,7 +81,7 @@ from typing import Callable, Sequence
 import torch
 
 from blockgen.models.attention import Layout
-from blockgen.models.backbone import INVARIANT_QUERY_ROWS, KVCache, reused_static_cache
+from blockgen.models.backbone import INVARIANT_QUERY_ROWS, INVARIANT_WIDTH, KVCache, reused_static_cache
 from blockgen.models.diffusion import Prior, Randomness, RowStreams, sample_categorical
 from blockgen.models.host_reads import to_host
 from blockgen.models.model import BlockGen, BlockGenConfig
@@ -164,6 +164,13 @@ def _rows(n_rows: int, start: torch.Tensor, length: int, block_id: torch.Tensor 
     return Layout(positions, block_ids, flags if noisy else ~flags, flags)
 
 
+def prompt_width(dit, prompts: list) -> int:
+    """The width of a generation's first call: the longest prompt, in the network's row-invariant mode rounded up to
+    whole `INVARIANT_WIDTH` tokens (so a row's left padding in a batch is whole buckets of it)."""
+    width = max((len(p) for p in prompts), default=0)
+    return -(-width // INVARIANT_WIDTH) * INVARIANT_WIDTH if dit.row_invariant_active else width
+
+
 class Decoder:
     """The committed prefix of a batch: KV cache, clean tokens waiting to be committed, next positions.
 
@@ -204,7 +211,7 @@ class Decoder:
             self.cache = reused_static_cache(self.dit, n, capacity)
         else:
             self.cache = KVCache(capacity, static_shapes)  # slots the generation will fill: allocated once
-        width = max((len(p) for p in prompts), default=0)
+        width = prompt_width(self.dit, prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         tokens = torch.full((n, width), pad_id, dtype=torch.long)
         for r, p in enumerate(prompts):  # left-pad
@@ -629,7 +636,7 @@ def generate(
     model.eval()  # dropout off while sampling; restored below
     try:
         # Cache slots: the longest prefix, the blocks, and one call's new tokens (ARPC: 2 L').
-        capacity = max(len(prefix) for prefix, _ in splits) + (max(need) + 2) * block_size
+        capacity = prompt_width(model.dit, [prefix for prefix, _ in splits]) + (max(need) + 2) * block_size
         if compile:  # one capacity for generations of similar lengths: their calls share compiled graphs
             capacity = 1 << (capacity - 1).bit_length()
         dec = Decoder(model, [prefix for prefix, _ in splits], pad_id, block_size, use_cache, [tail for _, tail in splits],

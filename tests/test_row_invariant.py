@@ -340,6 +340,19 @@ def test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(name, pri
     assert moved
 
 
+def test_every_logit_stays_the_same_alone_and_in_a_batch_on_mkl_avx2_gemms():
+    """The logits check above under MKL's AVX2 GEMMs (what an AVX2-only CPU runs), where a token's result depends on
+    its place in a chunk of rows: a prompt call (rows of different widths) and AR decoding's 2-token calls."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_row_invariant as t\n"
+              "for n, p in (('arpc', 'masked'), ('ar_sample', 'uniform')):\n"
+              "    t.test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(n, p)\n"
+              "print('equal')")
+    env = {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], capture_output=True, text=True,
+                          env={**os.environ, **env})
+    assert done.returncode == 0 and done.stdout.split()[-1:] == ["equal"], done.stderr[-3000:]
+
+
 def test_bfloat16_autocast_keeps_texts_and_likelihoods_bitwise_the_same():
     """Under bfloat16 autocast (the adapter's `dtype=bfloat16`: the matrix products in bf16) a row's text and
     likelihood bounds are still those it gets alone, bit for bit (13 prompts, 13 windows)."""

@@ -13,6 +13,7 @@ import torch
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from blockgen.harness.evaluation.lm_eval_model.mc_error import WindowScore
+from blockgen.models.backbone import INVARIANT_WIDTH
 from blockgen.models.diffusion import RowStreams
 from blockgen.models.model import BlockGen
 from blockgen.models.objectives import jensen_bound, lse_bound
@@ -61,13 +62,10 @@ class _KeepARLogits:
         return logits
 
 
-# Row-invariant scoring pads a window to the next multiple of this many tokens (at most the model's length), so that
-# it has the same width alone and in any batch; windows of one width run together.
-WIDTH_BUCKET = 32
-
-
 def bucket_width(length: int, max_len: int) -> int:
-    return min(-(-length // WIDTH_BUCKET) * WIDTH_BUCKET, max(max_len, length))
+    """Row-invariant scoring pads a window to the next multiple of `INVARIANT_WIDTH` tokens (at most the model's
+    length), so that it has the same width alone and in any batch; windows of one width run together."""
+    return min(-(-length // INVARIANT_WIDTH) * INVARIANT_WIDTH, max(max_len, length))
 
 
 @torch.no_grad()
