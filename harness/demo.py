@@ -222,6 +222,7 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
     import torch
 
     from blockgen.harness.checkpoints.checkpoint import load_checkpoint
+    from blockgen.harness.reports.findings import WORST_SEQUENCES
     from blockgen.models.objectives import jensen_bound, lse_bound
 
     model, tokenizer = load_checkpoint(checkpoint)
@@ -237,7 +238,11 @@ def _likelihood_job(checkpoint: str, train_config: TrainConfig) -> dict:
     tokens = float(val.loss_mask.sum())
     weights = model.mixture.weights
     out = {f"nll_block_{s}": float(per_size[j].sum()) / tokens for j, s in enumerate(sizes)}
-    out["nll_lse"] = float(lse_bound(per_size, weights).sum()) / tokens
+    per_sequence = lse_bound(per_size, weights)
+    out["nll_lse"] = float(per_sequence.sum()) / tokens
+    # A near-deterministic task's NLL can be a handful of confidently wrong sequences: how much the worst carry.
+    worst = per_sequence.topk(min(WORST_SEQUENCES, len(val))).values
+    out |= {"worst_sequences": len(worst), "worst_sequences_share": float(worst.sum() / per_sequence.sum())}
     out["nll_jensen"] = float(jensen_bound(per_size, weights).sum()) / tokens
     out.update(tokens=int(tokens), sequences=len(val), k_mc=train_config.k_mc, **(exact or {}))
     return out

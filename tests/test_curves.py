@@ -15,10 +15,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from limits import HANG_S  # noqa: E402
 
 
-def _run(folder: Path, losses: list, spike_at: int | None = None) -> Path:
+def _run(folder: Path, losses: list, spike_at: int | None = None, eval_every: int | None = None) -> Path:
     folder.mkdir(parents=True)
     lines = [{"step": i + 1, "loss": loss, "grad_norm": 1.0 / (i + 1), **({"loss_spike": True} if i + 1 == spike_at else {})}
              for i, loss in enumerate(losses)]
+    for record in lines[eval_every - 1 :: eval_every] if eval_every else ():
+        record["val_nll_lse"] = record["loss"] / 100  # far below the training loss: the axis must reach it
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return folder
 
@@ -42,3 +44,16 @@ def test_curves_of_two_runs_as_a_png_through_the_command(tmp_path):
 def test_a_folder_without_metrics_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         plot_curves({"x": tmp_path}, tmp_path / "c.png")
+
+
+def test_validation_nll_is_drawn_on_the_loss_axis(tmp_path):
+    """A run that measured its held-out NLL (`--eval-every`) draws it beside the training loss; the same run
+    without those records draws another picture."""
+    from PIL import Image, ImageChops
+
+    losses = [6.0 * 0.97 ** i for i in range(200)]
+    with_val = plot_curves({"s0": _run(tmp_path / "a", losses, eval_every=20)}, tmp_path / "a.png")
+    without = plot_curves({"s0": _run(tmp_path / "b", losses)}, tmp_path / "b.png")
+    assert sum(1 for r in read_metrics(tmp_path / "a") if "val_nll_lse" in r) == 10
+    with Image.open(with_val) as a, Image.open(without) as b:
+        assert a.size == b.size and ImageChops.difference(a.convert("RGB"), b.convert("RGB")).getbbox() is not None

@@ -180,13 +180,15 @@ def test_plot_colours_findings_by_verdict(tmp_path):
 
 def test_training_spread_judges_each_model_against_its_median_over_seeds(tmp_path, capsys):
     """Five seeds by hand: the word-problem model with one seed 4x its median is outside 2x; the language model
-    is judged on its NLL and also shows its excess over the exact NLL; a model missing in one run is left out."""
+    is judged on its NLL and also shows its excess over the exact NLL; a model missing in one run is left out; the
+    share of a run's NLL its worst sequences carry is shown where the runs recorded it."""
     runs = [tmp_path / f"seed-{k}" for k in range(5)]
     ar = [0.010, 0.012, 0.011, 0.044, 0.009]  # median 0.011: seed 3 is 4x it
     lang = [1.30, 1.20, 1.25, 1.40, 1.22]  # exact NLL 1.10: excess 0.20, 0.10, 0.15, 0.30, 0.12
+    share = [0.31, 0.4, 0.35, 0.92, 0.5]  # seed 3's NLL: mostly its three worst problems
     for k, run in enumerate(runs):
         run.mkdir()
-        models = {"gsm-ar": {"likelihood": {"nll_block_1": ar[k], "nll_lse": ar[k]}},
+        models = {"gsm-ar": {"likelihood": {"nll_block_1": ar[k], "nll_lse": ar[k], "worst_sequences_share": share[k]}},
                   "lang-masked-mix": {"likelihood": {"nll_lse": lang[k], "nll_true": 1.10}}}
         if k:
             models["gsm-masked-mix"] = {"likelihood": {"nll_lse": 0.02}}
@@ -195,6 +197,7 @@ def test_training_spread_judges_each_model_against_its_median_over_seeds(tmp_pat
     assert set(rows) == {"gsm-ar", "lang-masked-mix"}
     assert rows["gsm-ar"]["median"] == 0.011 and rows["gsm-ar"]["worst_ratio"] == pytest.approx(4.0)
     assert not rows["gsm-ar"]["within"] and "excess" not in rows["gsm-ar"]
+    assert rows["gsm-ar"]["share_worst"] == share and "share_worst" not in rows["lang-masked-mix"]
     assert rows["lang-masked-mix"]["worst_ratio"] == pytest.approx(1.40 / 1.25) and rows["lang-masked-mix"]["within"]
     assert rows["lang-masked-mix"]["excess"] == pytest.approx([0.20, 0.10, 0.15, 0.30, 0.12])
     assert rows["lang-masked-mix"]["excess_worst_ratio"] == pytest.approx(0.30 / 0.15)
@@ -204,6 +207,7 @@ def test_training_spread_judges_each_model_against_its_median_over_seeds(tmp_pat
     printed = capsys.readouterr().out
     assert "OUTSIDE 2x" in printed and "within 2x" in printed and "4.00x" in printed
     assert "0.044" in printed and "0.011" in printed  # significant digits, so 1e-5 does not print as 0.0000
+    assert "its 3 worst sequences carry 31%-92%" in printed
     rows = [{"model": "gsm-ar", "nll": [2.1e-5, 3.4e-6], "median": 1.2e-5, "worst_ratio": 1.75, "within": True}]
     assert "2.1e-05" in format_spread(rows) and "3.4e-06" in format_spread(rows)
     doc = json.loads((tmp_path / "training-spread.json").read_text())

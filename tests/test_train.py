@@ -332,6 +332,9 @@ def test_demo_command_end_to_end(tmp_path):
     for size, weight in zip(preset("ci").block_sizes, preset("ci").block_weights):
         assert nll["nll_lse"] <= nll[f"nll_block_{size}"] - math.log(weight) * per_token + 1e-9
     assert nll["nll_lse"] <= nll["nll_jensen"] + 1e-9
+    # The 3 worst of n sequences carry at least 3/n of the (non-negative) total, and never more than all of it.
+    assert info["worst_sequences"] == 3 and 3 / info["sequences"] - 1e-9 <= info["worst_sequences_share"] <= 1 + 1e-9
+    assert "worst_sequences_share" not in nll  # a share, not an NLL: no leaderboard row
     plots = {p.name for p in (out / "page").glob("*.png")}
     assert any(n.startswith("accuracy_vs_nfe_gsm8k_code_embedded") for n in plots)
     assert any(n.startswith("frontier_gsm8k_code_embedded") for n in plots)

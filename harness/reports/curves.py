@@ -1,8 +1,9 @@
 """Training curves side by side: `blockgen curves RUN [RUN ...] --out curves.png`.
 
 Each run is a training folder with its `metrics.jsonl` (`blockgen train`'s record of every step): the loss
-(log scale, so a plateau and the drop after it show at any size), the gradient norm before clipping, and the
-steps the run flagged as loss spikes (`loss_spike` in its records). Runs of one recipe with other
+(log scale, so a plateau and the drop after it show at any size) with the validation NLL where the run
+measured it (`--eval-every`), the gradient norm before clipping, and the steps the run flagged as loss spikes
+(`loss_spike` in its records). Runs of one recipe with other
 seeds, drawn together, show where one run leaves the others.
 """
 
@@ -32,9 +33,12 @@ def plot_curves(runs: dict[str, str | Path], out: str | Path) -> Path:
         steps = [r["step"] for r in records]
         line, = loss_ax.plot(steps, [r["loss"] for r in records], lw=0.8, label=label)
         grad_ax.plot(steps, [r["grad_norm"] for r in records], lw=0.8, color=line.get_color(), label=label)
+        # Validation (`--eval-every`), on the loss's axis: the held-out NLL per token of the EMA weights.
+        evals = [r for r in records if isinstance(r.get("val_nll_lse"), (int, float))]
+        loss_ax.plot([r["step"] for r in evals], [r["val_nll_lse"] for r in evals], "o--", ms=5, lw=1.2, mec="black", zorder=4, color=line.get_color())
         spikes = [r for r in records if r.get("loss_spike")]
         loss_ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color=line.get_color(), marker="x", zorder=3)
-    loss_ax.set(yscale="log", xlabel="step", ylabel="training loss (nats per token)", title="loss (x: flagged spikes)")
+    loss_ax.set(yscale="log", xlabel="step", ylabel="training loss (nats per token)", title="loss (o: validation NLL, x: flagged spikes)")
     grad_ax.set(yscale="log", xlabel="step", ylabel="gradient norm before clipping", title="gradient norm")
     loss_ax.legend(fontsize=8)
     fig.tight_layout()

@@ -319,6 +319,9 @@ def write_findings(config, run_dirs: list[Path]) -> dict:
 # A training recipe is robust to the seed when no seed's held-out NLL is more than this factor from the median
 # over the seeds, on either side (issue 45: one word-problem seed in three trained 4-13x worse).
 SPREAD_FACTOR = 2.0
+# The held-out NLL's share carried by this many worst sequences tells a few confidently wrong problems
+# (a word-problem model at 1e-4 nats per token) from a model worse everywhere.
+WORST_SEQUENCES = 3
 
 
 def _worst_ratio(values: list[float]) -> float:
@@ -331,15 +334,19 @@ def training_spread(run_dirs: list[Path]) -> list[dict]:
     """Per model: its held-out NLL per token (the likelihood pass: the mixture's log-sum-exp bound, the
     single-size NLL otherwise) in each run, the median over runs and the worst factor from it. For the
     synthetic language also the excess over the exact NLL of the same documents, which is what training
-    can change (the NLL itself cannot fall below the entropy rate)."""
+    can change (the NLL itself cannot fall below the entropy rate); where recorded, the share of each
+    run's NLL that its `WORST_SEQUENCES` worst sequences carry."""
     nll: dict[str, list[float]] = {}
     excess: dict[str, list[float]] = {}
+    share: dict[str, list[float]] = {}
     for run in run_dirs:
         for model, info in json.loads((run / "summary.json").read_text())["models"].items():
             likelihood = info.get("likelihood", {})
             if "nll_lse" not in likelihood:
                 continue
             nll.setdefault(model, []).append(likelihood["nll_lse"])
+            if "worst_sequences_share" in likelihood:
+                share.setdefault(model, []).append(likelihood["worst_sequences_share"])
             if "nll_true" in likelihood:
                 excess.setdefault(model, []).append(likelihood["nll_lse"] - likelihood["nll_true"])
     rows = []
@@ -348,6 +355,8 @@ def training_spread(run_dirs: list[Path]) -> list[dict]:
             continue  # not trained in every run: no spread to judge
         row = {"model": model, "nll": values, "median": statistics.median(values), "worst_ratio": _worst_ratio(values)}
         row["within"] = row["worst_ratio"] <= SPREAD_FACTOR
+        if len(share.get(model, ())) == len(values):
+            row["share_worst"] = share[model]
         if model in excess and min(excess[model]) > 0:
             row |= {"excess": excess[model], "excess_worst_ratio": _worst_ratio(excess[model])}
         rows.append(row)
@@ -362,6 +371,8 @@ def format_spread(rows: list[dict]) -> str:
         verdict = f"within {SPREAD_FACTOR:g}x" if row["within"] else f"OUTSIDE {SPREAD_FACTOR:g}x"
         if "excess" in row:
             verdict += f" (excess over the exact NLL: worst {row['excess_worst_ratio']:.2f}x its median)"
+        if "share_worst" in row:
+            verdict += f"; its {WORST_SEQUENCES} worst sequences carry {min(row['share_worst']):.0%}-{max(row['share_worst']):.0%}"
         # three significant digits: a well-trained word-problem model's NLL is 1e-5 nats per token, not 0.0000
         lines.append(f"{row['model']:<18} {''.join(f'{v:>9.3g}' for v in row['nll']):<{9 * r}} {row['median']:>8.3g} "
                      f"{row['worst_ratio']:>12.2f}x  {verdict}")
