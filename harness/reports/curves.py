@@ -35,7 +35,8 @@ def plot_curves(runs: dict[str, str | Path], out: str | Path) -> Path:
         grad_ax.plot(steps, [r["grad_norm"] for r in records], lw=0.8, color=line.get_color(), label=label)
         # Validation (`--eval-every`), on the loss's axis: the held-out NLL per token of the EMA weights.
         evals = [r for r in records if isinstance(r.get("val_nll_lse"), (int, float))]
-        loss_ax.plot([r["step"] for r in evals], [r["val_nll_lse"] for r in evals], "o--", ms=5, lw=1.2, mec="black", zorder=4, color=line.get_color())
+        loss_ax.plot([r["step"] for r in evals], [r["val_nll_lse"] for r in evals], "o--", ms=5, lw=1.2, mec="black",
+                     zorder=4, color=line.get_color())
         spikes = [r for r in records if r.get("loss_spike")]
         loss_ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color=line.get_color(), marker="x", zorder=3)
     loss_ax.set(yscale="log", xlabel="step", ylabel="training loss (nats per token)", title="loss (o: validation NLL, x: flagged spikes)")
