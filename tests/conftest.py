@@ -21,7 +21,7 @@ def pytest_configure(config):
     made by the controller and inherited by the xdist workers, so the run builds it once). Set before
     collection, so the modules' ENV copies carry them."""
     config.addinivalue_line("markers", f"{WHOLE_MACHINE}: runs with no other test beside it under xdist "
-                            "(outcomes that could depend on the load: sandbox wall clocks, signals at a step, time budgets)")
+                            "(outcomes or run times that depend on the load: sandbox wall clocks, gloo timeouts, two-thread subprocesses)")
     config.addinivalue_line("markers", "runs_programs: executes programs in the sandbox (tasks/sandbox.py); "
                             "`make test-unprivileged` runs these again as uid nobody")
     _caches.append(tempfile.mkdtemp(prefix="blockgen-test-mauve-"))

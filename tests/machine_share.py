@@ -2,7 +2,7 @@
 
 - `whole_machine`: a test so marked runs with no other test beside it, setup and teardown included:
   those whose outcome could depend on the machine's load (sandbox runs with wall clocks of a second or
-  two, 2-rank runs killed by signals at a step, gpu-check's time budget, a 60 s gloo timeout). The
+  two, a 60 s gloo timeout), and subprocesses of two OpenMP threads (5x slower beside another test). The
   rest wait only for hangs (`limits.HANG_S`), so a busy core slows them and changes nothing else. Every other
   test holds the machine shared. A readers-writer lock on two files in the run's shared temporary
   folder, with the writer first in line, so a waiting whole-machine test is not starved.

@@ -55,14 +55,27 @@ def test_round_trip_keeps_every_field(tmp_path):
     ('{"schema": "blockgen-leaderboard", "version": 1, "rows": [{"model": "m", "task": "t", "metric": "x", "value": 1, "block_sizes": [1, "16"]}]}',
      r"block_sizes\[1\]: expected an integer"),
 ])
-def test_malformed_files_give_one_clear_error(tmp_path, text, message):
+def test_malformed_files_give_one_clear_error(tmp_path, capsys, text, message):
+    """The reader's error, and `blockgen leaderboard show`'s one line with exit status 2 (the command's code in this
+    process; the real command line below)."""
+    from blockgen.harness.cli import main
+
     path = tmp_path / "bad.json"
     path.write_text(text)
     with pytest.raises(LeaderboardError, match=message):
         lb.read(path)
-    result = cli("leaderboard", "show", path)  # the user sees one line, not a traceback
+    capsys.readouterr()
+    assert main(["leaderboard", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1
+
+
+def test_a_malformed_file_on_the_command_line_is_one_line_not_a_traceback(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"schema": "blockgen-leaderboard", "version": 1}')
+    result = cli("leaderboard", "show", path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert re.search(message, result.stderr) and result.stderr.count("\n") == 1
+    assert re.search(r"\.rows: expected a list", result.stderr) and result.stderr.count("\n") == 1
 
 
 def test_a_crash_while_writing_leaves_the_old_file_whole(tmp_path, monkeypatch):

@@ -24,6 +24,16 @@ LENGTHS = (5, 17, 33, 64, 65, 90, 128, 3, 41, 160, 12, 77, 100)  # 13 windows, o
 
 # ATen's scalar kernels (no vector remainder anywhere) and MKL's SSE4.2 GEMMs: a CPU without AVX
 DEFAULT_KERNELS = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def kernel_and_thread_settings(*extra: dict[str, str]) -> list:
+    """Environments of a subprocess: two threads, and one or two on MKL's AVX2 GEMMs, and ATen without SIMD. Only the
+    two-thread ones hold the machine alone: beside another test their OpenMP threads oversubscribe 2 cores (5x slower,
+    measured); a one-thread run shares it like any test."""
+    settings = [*extra, {"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", **AVX2}, {"OMP_NUM_THREADS": "1", **AVX2}, DEFAULT_KERNELS]
+    return [pytest.param(env, id="-".join(env.values()), marks=[pytest.mark.whole_machine] if env["OMP_NUM_THREADS"] == "2" else [])
+            for env in settings]
 
 # Scores of the 13 windows under every batching, for one model; prints whether each equals the alone run bit for bit.
 CHECK = """
@@ -182,11 +192,7 @@ def test_the_baselines_likelihoods_are_bitwise_the_same_in_any_batch(architectur
     assert all(result["equal"].values()), result
 
 
-@pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores (5x slower, measured)
-@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "2"},
-                                 {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 DEFAULT_KERNELS], ids=lambda e: "-".join(e.values()))
+@pytest.mark.parametrize("env", kernel_and_thread_settings({"OMP_NUM_THREADS": "1"}))
 def test_invariance_holds_on_either_kernel_and_thread_count(env):
     result = _check("narrow", "uniform", "blockgen", **env)
     assert all(result["equal"].values()), (env, result)
@@ -246,10 +252,7 @@ def test_texts_are_bitwise_the_same_in_any_batch(name, prior):
     assert texts_in_every_batching(name, prior)
 
 
-@pytest.mark.whole_machine  # two OpenMP threads beside another test's oversubscribe 2 cores
-@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-                                 DEFAULT_KERNELS], ids=lambda e: "-".join(e.values()))
+@pytest.mark.parametrize("env", kernel_and_thread_settings())
 def test_texts_are_invariant_on_either_kernel_and_thread_count(env):
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_row_invariant as t\n"
               "print([t.texts_in_every_batching(n, p) for n, p in (('arpc', 'uniform'), ('ancestral', 'masked'), ('ar_sample', 'masked'))])")
@@ -347,7 +350,7 @@ def test_every_logit_stays_the_same_alone_and_in_a_batch_on_mkl_avx2_gemms():
               "for n, p in (('arpc', 'masked'), ('ar_sample', 'uniform')):\n"
               "    t.test_every_logit_of_a_row_is_bitwise_the_same_alone_and_in_a_batch(n, p)\n"
               "print('equal')")
-    env = {"OMP_NUM_THREADS": "2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    env = {"OMP_NUM_THREADS": "2", **AVX2}
     done = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], capture_output=True, text=True,
                           env={**os.environ, **env})
     assert done.returncode == 0 and done.stdout.split()[-1:] == ["equal"], done.stderr[-3000:]
