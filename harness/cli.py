@@ -21,31 +21,26 @@
     blockgen variants arpc --nfe 4 8                    # the paper's sampler variants by NFE per block
     blockgen hub-standin --root runs/hub                # a hub on the loopback serving local folders: export its HF_ENDPOINT
 
-Every subcommand is defined here; a module with its own subcommand contributes `build_parser(parser)`
-and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, paper_variants.py; harness/reports/:
-regression.py, leaderboard_command.py; harness/checkpoints/release_catalogue.py; harness/data/hub_standin_repos.py).
+Every subcommand is listed here (`SUBCOMMANDS`); a module with its own subcommand contributes
+`build_parser(parser)` and `run(args)` (harness/evaluation/: sample.py, sweep.py, vllm_server.py, paper_variants.py;
+harness/reports/: regression.py, leaderboard_command.py, curves.py; harness/checkpoints/release_catalogue.py;
+harness/data/hub_standin_repos.py). Only the subcommand run is mounted, so each pays for its own imports alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import typing
-from dataclasses import fields, is_dataclass, replace
-from typing import Any, Callable, Literal, get_args, get_origin
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args, get_origin
 
-from blockgen.harness.reports import curves, leaderboard, leaderboard_command, regression
-from blockgen.harness.checkpoints import release_catalogue
-from blockgen.harness.data import hub_standin_repos
-from blockgen.harness.evaluation import sample, paper_variants, sweep, vllm_server
-from blockgen.harness.data.sources import LOCAL_TOKENIZER
-from blockgen.harness.demo import DemoConfig
-from blockgen.harness.gpu_check.config import GpuCheckConfig
-from blockgen.harness.training.presets import PRESETS, preset, preset_table
-from blockgen.harness.training.train_config import TrainConfig
-from blockgen.harness.training.train_scorer import ScorerTrainConfig
-from blockgen.harness.data.wordproblems import DIFFICULTIES
+if TYPE_CHECKING:
+    from blockgen.harness.training.train_config import TrainConfig
+
+Runner = Callable[[argparse.Namespace], int]
 
 
 def _is_optional(tp) -> tuple[bool, Any]:
@@ -87,97 +82,200 @@ def from_args(base: Any, given: dict[str, Any]) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """A training config: `--preset` with the training flags given."""
+    from blockgen.harness.training.presets import preset
+
     return from_args(preset(args.preset), {k: v for k, v in vars(args).items() if k not in ("subcommand", "preset")})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    train_p = sub.add_parser("train", help="train (or resume) one model")
-    train_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS), metavar="NAME",
-                         help="the training recipe to start from (default: %(default)s; `blockgen presets` lists them)")
-    add_dataclass_options(train_p, TrainConfig)
-    demo_p = sub.add_parser("demo", help="the embedded default: train the demo models offline on CPU, sweep the samplers")
-    demo_p.add_argument("--out-dir", default=DemoConfig.out_dir)
-    demo_p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
-    demo_p.add_argument("--presets", nargs="+", default=list(DemoConfig.presets), choices=sorted(PRESETS), metavar="NAME",
-                        help="the presets to train and sweep (default: %(default)s)")
-    demo_p.add_argument("--problems", type=int, default=DemoConfig.problems, help="held-out test problems per evaluation")
-    demo_p.add_argument("--jobs", type=int, default=DemoConfig.jobs, help="worker processes, one thread each (0: one per usable core)")
-    demo_p.add_argument("--temperatures", type=float, nargs="+", default=list(DemoConfig.temperatures),
-                        help="sampling temperatures of the sweep (the paper's GSM8K runs use 1.0)")
-    demo_p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
-    demo_p.add_argument("--language-prompts", type=int, default=DemoConfig.language_prompts,
-                        help="held-out prompts per setting of the synthetic language's models (lang-*)")
-    demo_p.add_argument("--language-nfes", type=int, nargs="+", default=list(DemoConfig.language_nfes),
-                        help="NFE per block of 16 of the synthetic language's sweep")
-    demo_p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
-                        help="the word-problem generator's level (default: the presets', 'easy')")
-    demo_p.add_argument("--seeds", type=int, nargs="+", default=list(DemoConfig.seeds),
-                        help="training seeds: every model trains once per seed (seed s > 0 under OUT_DIR/seed-s); "
-                             "with several, the findings across runs -> OUT_DIR/findings.json and each model's "
-                             "held-out NLL across the seeds -> OUT_DIR/training-spread.json")
-    demo_p.add_argument("--train-only", action="store_true",
-                        help="train the models and measure their held-out likelihood, without the sampler sweep "
-                             "(with several --seeds: is training robust to the seed?)")
-    sub.add_parser("presets", help="list the training presets as a table").add_argument(
-        "--json", action="store_true", help="every setting of every preset, as one JSON object by name")
-    check_p = sub.add_parser("gpu-check", help="first run on a GPU (micro size on CPU), in one time budget (--budget-s, 480 s): "
-                             "training, DDP, generate(), lm_eval, scorers -> one JSON summary and a table")
-    add_dataclass_options(check_p, GpuCheckConfig)
-    scorer_p = sub.add_parser("train-scorer", help="train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl")
-    add_dataclass_options(scorer_p, ScorerTrainConfig)
-    sample.build_parser(_mounted(sub, "sample", "sample from a checkpoint", sample.__doc__))
-    prep_p = sub.add_parser("prepare-data", help="tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)")
-    prep_p.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS), metavar="NAME",
-                         help="the training recipe to start from (default: %(default)s; `blockgen presets` lists them)")
-    add_dataclass_options(prep_p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
-    cost_p = sub.add_parser("train-cost", help="what training the given presets will cost on GPUs (measured rates), "
-                            "before it starts: per model and in all, GPU-hours")
-    cost_p.add_argument("--presets", nargs="+", required=True, choices=sorted(PRESETS), metavar="NAME",
-                        help="the runs, in order (`blockgen presets` lists them)")
-    cost_p.add_argument("--gpus", type=int, required=True, help="GPUs of each run: nodes x GPUs per node")
-    cost_p.add_argument("--runs", default="runs", help="runs folder: RUNS/<preset>/checkpoint's steps are done; "
-                        "RUNS/gpu-check/rates.json prices the runs when it was measured on the GPU")
-    cost_p.add_argument("--rates", default=None, help="a rates file (default: gpu-check's, else the stored H100 figures)")
-    add_dataclass_options(cost_p, TrainConfig)  # the training flags (--max-steps, --batch-size, ...) apply to every preset
-    hub_p = sub.add_parser("hub-check", help="exit 1 with a message unless the hub serves the given datasets and models")
-    hub_p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS), metavar="NAME",
-                       help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
-    hub_p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
-    hub_p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
-    hub_p.add_argument("--tokenizers", nargs="*", default=[], help="models of which only the tokenizer is loaded")
-    hub_p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
-    hub_standin_repos.build_parser(_mounted(sub, "hub-standin", "a Hugging Face hub on 127.0.0.1 serving local folders (prints the HF_ENDPOINT)",
-                                            hub_standin_repos.COMMAND_HELP))
-    release_catalogue.add_import_arguments(_mounted(sub, "import", "convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
-                                           "Convert the paper's released checkpoints once into checkpoint folders (cached)."))
-    release_catalogue.build_parser(_mounted(sub, "released", "the paper's released checkpoints: names, hub check, conversion",
-                                   "The paper's released checkpoints. A grid's cost on them: `blockgen sweep released-owt --dry-run`."))
-    sweep.build_parser(_mounted(sub, "sweep", "a benchmark's sampler x NFE x temperature grid, one model load per checkpoint",
-                                sweep.COMMAND_HELP))
-    leaderboard_command.build_parser(_mounted(sub, "leaderboard", "leaderboard JSON: add lm-eval results, show a table, plot, HTML page, "
-                                 "compare two settings, check against a reference", leaderboard.__doc__))
-    regression.build_parser(_mounted(sub, "regression", "CI regression: compare a rerun with a stored reference (a leaderboard "
-                                     "with tolerances, or gsm8k_code's per-problem outcomes), or rewrite it", regression.__doc__))
-    vllm_server.build_parser(_mounted(sub, "scorers", "owt_genppl's scorers: which vLLM build the server uses",
-                                      "owt_genppl's scorer server: `blockgen scorers check-vllm` says which vLLM build "
-                                      "the server would use and whether it can serve the device asked for."))
-    curves.build_parser(_mounted(sub, "curves", "training curves of runs side by side (loss, gradient norm, flagged spikes) -> PNG",
-                                 curves.__doc__))
-    paper_variants.build_parser(_mounted(sub, "variants", "the paper's sampler variants (steps:ge:warmup) by NFE per block",
-                                       paper_variants.__doc__))
+# ------------------------------------------------------------------------------ subcommands
+# Each subcommand is mounted (its options added, its module imported) only when it is the one run, or when the
+# whole parser is built (`build_parser()`, for the tests and the docs' checks): `blockgen --help` and the
+# commands that read JSON (leaderboard, regression, curves) never import torch.
+
+def _preset_option(parser: argparse.ArgumentParser) -> None:
+    from blockgen.harness.training.presets import PRESETS
+
+    parser.add_argument("--preset", default="gsm-masked", choices=sorted(PRESETS), metavar="NAME",
+                        help="the training recipe to start from (default: %(default)s; `blockgen presets` lists them)")
+
+
+def _mount_train(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.training.train_config import TrainConfig
+
+    _preset_option(p)
+    add_dataclass_options(p, TrainConfig)
+    return _train
+
+
+def _mount_demo(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.data.wordproblems import DIFFICULTIES
+    from blockgen.harness.demo import DemoConfig
+    from blockgen.harness.training.presets import PRESETS
+
+    p.add_argument("--out-dir", default=DemoConfig.out_dir)
+    p.add_argument("--max-steps", type=int, default=None, help="override every preset's step count")
+    p.add_argument("--presets", nargs="+", default=list(DemoConfig.presets), choices=sorted(PRESETS), metavar="NAME",
+                   help="the presets to train and sweep (default: %(default)s)")
+    p.add_argument("--problems", type=int, default=DemoConfig.problems, help="held-out test problems per evaluation")
+    p.add_argument("--jobs", type=int, default=DemoConfig.jobs, help="worker processes, one thread each (0: one per usable core)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=list(DemoConfig.temperatures),
+                   help="sampling temperatures of the sweep (the paper's GSM8K runs use 1.0)")
+    p.add_argument("--nfes", type=int, nargs="+", default=list(DemoConfig.nfes), help="NFE per block of the sweep")
+    p.add_argument("--language-prompts", type=int, default=DemoConfig.language_prompts,
+                   help="held-out prompts per setting of the synthetic language's models (lang-*)")
+    p.add_argument("--language-nfes", type=int, nargs="+", default=list(DemoConfig.language_nfes),
+                   help="NFE per block of 16 of the synthetic language's sweep")
+    p.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=None,
+                   help="the word-problem generator's level (default: the presets', 'easy')")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(DemoConfig.seeds),
+                   help="training seeds: every model trains once per seed (seed s > 0 under OUT_DIR/seed-s); "
+                        "with several, the findings across runs -> OUT_DIR/findings.json and each model's "
+                        "held-out NLL across the seeds -> OUT_DIR/training-spread.json")
+    p.add_argument("--train-only", action="store_true",
+                   help="train the models and measure their held-out likelihood, without the sampler sweep "
+                        "(with several --seeds: is training robust to the seed?)")
+    return _demo
+
+
+def _mount_presets(p: argparse.ArgumentParser) -> Runner:
+    p.add_argument("--json", action="store_true", help="every setting of every preset, as one JSON object by name")
+    return _presets
+
+
+def _mount_gpu_check(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.gpu_check.config import GpuCheckConfig
+
+    add_dataclass_options(p, GpuCheckConfig)
+    return _gpu_check
+
+
+def _mount_train_scorer(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.training.train_scorer import ScorerTrainConfig
+
+    add_dataclass_options(p, ScorerTrainConfig)
+    return _train_scorer
+
+
+def _mount_prepare_data(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.training.train_config import TrainConfig
+
+    _preset_option(p)
+    add_dataclass_options(p, TrainConfig)  # the training flags: the same --data.* and --seq-len give the same cache
+    return _prepare_data
+
+
+def _mount_train_cost(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.training.presets import PRESETS
+    from blockgen.harness.training.train_config import TrainConfig
+
+    p.add_argument("--presets", nargs="+", required=True, choices=sorted(PRESETS), metavar="NAME",
+                   help="the runs, in order (`blockgen presets` lists them)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of each run: nodes x GPUs per node")
+    p.add_argument("--runs", default="runs", help="runs folder: RUNS/<preset>/checkpoint's steps are done; "
+                   "RUNS/gpu-check/rates.json prices the runs when it was measured on the GPU")
+    p.add_argument("--rates", default=None, help="a rates file (default: gpu-check's, else the stored H100 figures)")
+    add_dataclass_options(p, TrainConfig)  # the training flags (--max-steps, --batch-size, ...) apply to every preset
+    return _train_cost
+
+
+def _mount_hub_check(p: argparse.ArgumentParser) -> Runner:
+    from blockgen.harness.training.presets import PRESETS
+
+    p.add_argument("--presets", nargs="*", default=[], choices=sorted(PRESETS), metavar="NAME",
+                   help="check what these presets' training loads: the dataset's files at its revision and the tokenizer")
+    p.add_argument("--datasets", nargs="*", default=[], help="datasets (main revision) to check for loadable data files")
+    p.add_argument("--models", nargs="*", default=[], help="models whose weights and tokenizer evaluation loads")
+    p.add_argument("--tokenizers", nargs="*", default=[], help="models of which only the tokenizer is loaded")
+    p.add_argument("--hint", default="", help="what to run instead (printed when the hub is unreachable)")
+    return _hub_check
+
+
+@dataclass(frozen=True)
+class OwnedBy:
+    """A subcommand whose options and work live in one module of blockgen.harness: `build(parser)` adds its
+    options, `run(args)` runs it. Its description: `description`, else the module's COMMAND_HELP, else its
+    docstring."""
+
+    module: str
+    description: str | None = None
+    build: str = "build_parser"
+    run: str = "run"
+
+    def __call__(self, p: argparse.ArgumentParser) -> Runner:
+        module = importlib.import_module(f"blockgen.harness.{self.module}")
+        p.description = self.description or getattr(module, "COMMAND_HELP", module.__doc__)
+        getattr(module, self.build)(p)
+        return getattr(module, self.run)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """`blockgen NAME`: its line in `blockgen --help`, and `mount`, which adds its options to its parser and
+    returns its runner ((parsed arguments) -> exit status)."""
+
+    help: str
+    mount: Callable[[argparse.ArgumentParser], Runner]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand("train (or resume) one model", _mount_train),
+    "demo": Subcommand("the embedded default: train the demo models offline on CPU, sweep the samplers", _mount_demo),
+    "presets": Subcommand("list the training presets as a table", _mount_presets),
+    "gpu-check": Subcommand("first run on a GPU (micro size on CPU), in one time budget (--budget-s, 480 s): training, "
+                            "DDP, generate(), lm_eval, scorers -> one JSON summary and a table", _mount_gpu_check),
+    "train-scorer": Subcommand("train the small offline GPT-2 scorer (Hugging Face layout) for owt_genppl", _mount_train_scorer),
+    "sample": Subcommand("sample from a checkpoint", OwnedBy("evaluation.sample")),
+    "prepare-data": Subcommand("tokenize a preset's data into the memory-mapped cache training reads (run before torchrun)",
+                               _mount_prepare_data),
+    "train-cost": Subcommand("what training the given presets will cost on GPUs (measured rates), before it starts: per "
+                             "model and in all, GPU-hours", _mount_train_cost),
+    "hub-check": Subcommand("exit 1 with a message unless the hub serves the given datasets and models", _mount_hub_check),
+    "hub-standin": Subcommand("a Hugging Face hub on 127.0.0.1 serving local folders (prints the HF_ENDPOINT)",
+                              OwnedBy("data.hub_standin_repos")),
+    "import": Subcommand("convert a released checkpoint (hf:jdeschena/blockgen/<subfolder>) once",
+                         OwnedBy("checkpoints.release_catalogue", "Convert the paper's released checkpoints once into "
+                                 "checkpoint folders (cached).", build="add_import_arguments", run="run_import")),
+    "released": Subcommand("the paper's released checkpoints: names, hub check, conversion",
+                           OwnedBy("checkpoints.release_catalogue", "The paper's released checkpoints. A grid's cost on "
+                                   "them: `blockgen sweep released-owt --dry-run`.")),
+    "sweep": Subcommand("a benchmark's sampler x NFE x temperature grid, one model load per checkpoint",
+                        OwnedBy("evaluation.sweep")),
+    "leaderboard": Subcommand("leaderboard JSON: add lm-eval results, show a table, plot, HTML page, compare two "
+                              "settings, check against a reference", OwnedBy("reports.leaderboard_command")),
+    "regression": Subcommand("CI regression: compare a rerun with a stored reference (a leaderboard with tolerances, or "
+                             "gsm8k_code's per-problem outcomes), or rewrite it", OwnedBy("reports.regression")),
+    "scorers": Subcommand("owt_genppl's scorers: which vLLM build the server uses",
+                          OwnedBy("evaluation.vllm_server", "owt_genppl's scorer server: `blockgen scorers check-vllm` "
+                                  "says which vLLM build the server would use and whether it can serve the device asked for.")),
+    "curves": Subcommand("training curves of runs side by side (loss, gradient norm, flagged spikes) -> PNG",
+                         OwnedBy("reports.curves", run="main")),
+    "variants": Subcommand("the paper's sampler variants (steps:ge:warmup) by NFE per block", OwnedBy("evaluation.paper_variants")),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `blockgen` parser: every subcommand listed, and mounted (options, runner) all of them, or `only` that one."""
+    parser, _ = _parser_and_runners(list(SUBCOMMANDS) if only is None else [only])
     return parser
 
 
-def _mounted(sub, name: str, helptext: str, description: str | None) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=helptext, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser_and_runners(mounted: list[str]) -> tuple[argparse.ArgumentParser, dict[str, Runner]]:
+    parser = argparse.ArgumentParser(prog="blockgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    runners = {}
+    for name, command in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=command.help, formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name in mounted:
+            runners[name] = command.mount(p)
+    return parser, runners
 
 
 # ------------------------------------------------------------------------------ main
 
-# The subcommands whose work lives in the module that mounted them (the others are run in `main`).
+# The subcommands whose work is done here (the others' runners are their modules').
 def _presets(args: argparse.Namespace) -> int:
+    from blockgen.harness.training.presets import PRESETS, preset_table
+
     print(json.dumps({name: cfg.to_dict() for name, cfg in PRESETS.items()}, indent=1) if args.json else preset_table())
     return 0
 
@@ -221,7 +319,7 @@ def _train_cost(args: argparse.Namespace) -> int:
 
 
 def _train_scorer(args: argparse.Namespace) -> int:
-    from blockgen.harness.training.train_scorer import train_scorer
+    from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 
     given = {k: v for k, v in vars(args).items() if k != "subcommand"}
     print(f"scorer: {train_scorer(from_args(ScorerTrainConfig(), given))}")
@@ -238,6 +336,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 def _hub_check(args: argparse.Namespace) -> int:
     from blockgen.harness.checkpoints.hub import HubUnavailableError, check_files
+    from blockgen.harness.data.sources import LOCAL_TOKENIZER
+    from blockgen.harness.training.presets import preset
 
     datasets, tokenizers = [(name, None, None) for name in args.datasets], list(args.tokenizers)
     for name in args.presets:
@@ -256,6 +356,7 @@ def _hub_check(args: argparse.Namespace) -> int:
 
 def _gpu_check(args: argparse.Namespace) -> int:
     from blockgen.harness.gpu_check.check import run_gpu_check
+    from blockgen.harness.gpu_check.config import GpuCheckConfig
     from blockgen.harness.gpu_check.summary import summary_table
 
     summary = run_gpu_check(from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"}))
@@ -270,7 +371,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from blockgen.harness.demo import run_demo
+    from blockgen.harness.demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
                         jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
@@ -279,19 +380,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# Every subcommand's runner: (parsed arguments) -> exit status.
-RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "train": _train, "demo": _demo, "presets": _presets, "gpu-check": _gpu_check, "train-scorer": _train_scorer,
-    "prepare-data": _prepare_data, "train-cost": _train_cost, "hub-check": _hub_check,
-    "sample": sample.run, "import": release_catalogue.run_import, "released": release_catalogue.run, "sweep": sweep.run,
-    "leaderboard": leaderboard_command.run, "regression": regression.run, "scorers": vllm_server.run,
-    "variants": paper_variants.run, "curves": curves.main, "hub-standin": hub_standin_repos.run,
-}
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return RUNNERS[args.subcommand](args)
+    argv = sys.argv[1:] if argv is None else argv
+    named = next((a for a in argv if not a.startswith("-")), None)  # the subcommand (the top level has no valued option)
+    parser, runners = _parser_and_runners([named] if named in SUBCOMMANDS else [])  # none: argparse says what is wrong
+    args = parser.parse_args(argv)
+    return runners[args.subcommand](args)
 
 
 if __name__ == "__main__":

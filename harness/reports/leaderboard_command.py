@@ -16,6 +16,8 @@ from blockgen.harness.reports.leaderboard import LeaderboardError
 from blockgen.harness.reports.page import build_page
 from blockgen.harness.reports.plots import plot_all
 
+COMMAND_HELP = leaderboard.__doc__  # `blockgen leaderboard --help`: what a leaderboard is
+
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from blockgen.harness.evaluation.grids import LANGUAGE_TASK
 from blockgen.harness.reports.leaderboard import Row, best_per_nfe, nfe_text, table
 from blockgen.models import samplers
 
@@ -269,6 +268,8 @@ def plot_language_quality(rows: Iterable[Row], path: str | Path) -> Path | None:
     (model, sampler), one panel per score; the process's entropy rate and the pair TV of its own samples
     as dashed lines. Adaptive samplers (no NFE until they run) are drawn at their measured mean calls per
     block; AR decoding at NFE 1 of a block-1 step (one call per token) is left out. None: no such rows."""
+    from blockgen.harness.evaluation.grids import LANGUAGE_TASK  # the grids import the presets, and torch: the demo's plot only
+
     rows = [r for r in rows if r.task == LANGUAGE_TASK and r.nfe_per_block is not None and not is_ar(r.sampler or "")]
     if not rows:
         return None
