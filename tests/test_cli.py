@@ -80,12 +80,17 @@ def test_commands_that_read_json_do_not_import_torch(tmp_path):
     runs = {"help": ["--help"], "leaderboard show": ["leaderboard", "show", stored],
             "leaderboard page": ["leaderboard", "page", stored, "--out-dir", str(tmp_path / "page")],
             "regression check": ["regression", "check", "--against", stored, stored],
-            "curves --help": ["curves", "--help"], "variants": ["variants", "arpc", "--nfe", "4"]}
+            "curves": ["curves", str(tmp_path / "run"), "--out", str(tmp_path / "curves.png")],
+            "variants": ["variants", "arpc", "--nfe", "4"]}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 / s, "grad_norm": 1.0}) + "\n"
+                                                             for s in range(1, 21)))
     for name, argv in runs.items():
         r = subprocess.run([sys.executable, "-c", probe, json.dumps(argv)], capture_output=True, text=True, timeout=HANG_S)
         verdict = json.loads(r.stdout.splitlines()[-1])
         assert verdict == {"code": 0, "torch": False}, (name, verdict, r.stderr[-2000:])
     assert "owt-embedded-ar" in (tmp_path / "page" / "index.html").read_text()  # the commands ran, not only parsed
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
 def test_no_option_overwrites_the_subcommand_it_belongs_to():
@@ -192,6 +197,13 @@ def test_a_bad_preset_lists_the_presets_once():
     r = subprocess.run([str(BLOCKGEN), "train", "--preset", "nope"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and "[--preset NAME]" in r.stderr
     assert r.stderr.count("'owt-masked-mix'") == 1 and "invalid choice: 'nope'" in r.stderr.splitlines()[-1]
+
+
+def test_a_bad_release_name_is_a_usage_error_naming_the_releases():
+    """`released check` with a name that is no release: exit 2 naming the choices, before any hub is asked (it was
+    exit 1, "the released checkpoints are needed here and unavailable")."""
+    code, _, err = run(["released", "check", "owt-ar", "nope"])
+    assert code == 2 and "invalid choice: 'nope'" in err and "'tinygsm-masked-mix'" in err
 
 
 def test_help_speaks_of_what_the_user_controls():

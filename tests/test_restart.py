@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from blockgen.harness.checkpoints.checkpoint import KILL_IN_SAVE_ENV, TRAINING_STATE, restore_latest_checkpoint, save_checkpoint
 from blockgen.harness.training.stop_signals import TrainingInterrupted, TrainingStopped, stop_requests
-from blockgen.harness.training.train import keep_records_up_to
+from blockgen.harness.training.metrics_log import keep_records_up_to
 from blockgen.harness.training.train_config import TrainConfig
 from limits import HANG_S
 

@@ -100,7 +100,8 @@ def build_parser(parser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("names", help="print name=subfolder for every release (the Makefile reads it)")
     check = sub.add_parser("check", help="exit 1 unless the hub (or $%s) has these releases" % LOCAL_DIR_ENV)
-    check.add_argument("names", nargs="+")
+    check.add_argument("names", nargs="+", choices=sorted(RELEASES), metavar="NAME",
+                       help="releases by name (`blockgen released names` lists them)")
     check.add_argument("--hint", default="")
     add_import_arguments(sub.add_parser("import", help="convert releases once into checkpoint folders (prints each folder)"))
 

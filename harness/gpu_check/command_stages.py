@@ -38,6 +38,7 @@ import torch
 
 from blockgen.harness.gpu_check.config import DDP_PRESET, UNLIMITED, Budget, GpuCheckConfig, Scale
 from blockgen.harness.gpu_check.timing import median
+from blockgen.harness.training.metrics_log import read_records
 
 
 def _bin(name: str) -> str:
@@ -115,7 +116,7 @@ def stage_ddp(config: GpuCheckConfig, device: str, scale: Scale, out: Path, budg
     cmd = [_bin("torchrun"), "--standalone", "--nproc_per_node=2", "-m", "blockgen.harness.cli",
            *_train_cmd("cuda" if cuda else "cpu", model_dir, out / "data", scale.ddp_steps)]
     seconds = _run(cmd, work / "train.log", budget)
-    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(model_dir)
     timed = records[1:]  # the first step includes start-up (and the process group's first collectives)
     s_step = median([r["step_seconds"] for r in timed])
     return {"world_size": 2, "backend": "nccl" if cuda else "gloo", "preset": DDP_PRESET, "steps": len(records),

@@ -9,15 +9,10 @@ seeds, drawn together, show where one run leaves the others.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
-
-def read_metrics(run: str | Path) -> list[dict]:
-    path = Path(run) / "metrics.jsonl" if Path(run).is_dir() else Path(run)
-    if not path.is_file():
-        raise FileNotFoundError(f"{run}: no metrics.jsonl (a `blockgen train` output folder has one)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from blockgen.harness.training.metrics_log import read_records
 
 
 def plot_curves(runs: dict[str, str | Path], out: str | Path) -> Path:
@@ -29,10 +24,10 @@ def plot_curves(runs: dict[str, str | Path], out: str | Path) -> Path:
 
     fig, (loss_ax, grad_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for label, run in runs.items():
-        records = [r for r in read_metrics(run) if isinstance(r.get("loss"), (int, float))]
+        records = [r for r in read_records(run) if isinstance(r.get("loss"), (int, float))]
         steps = [r["step"] for r in records]
         line, = loss_ax.plot(steps, [r["loss"] for r in records], lw=0.8, label=label)
-        grad_ax.plot(steps, [r["grad_norm"] for r in records], lw=0.8, color=line.get_color(), label=label)
+        grad_ax.plot(steps, [r.get("grad_norm", float("nan")) for r in records], lw=0.8, color=line.get_color(), label=label)
         # Validation (`--eval-every`), on the loss's axis: the held-out NLL per token of the EMA weights.
         evals = [r for r in records if isinstance(r.get("val_nll_lse"), (int, float))]
         loss_ax.plot([r["step"] for r in evals], [r["val_nll_lse"] for r in evals], "o--", ms=5, lw=1.2, mec="black",
@@ -55,5 +50,9 @@ def build_parser(parser) -> None:
 
 def main(args) -> int:
     runs = dict(r.split("=", 1) if "=" in r else (Path(r).name, r) for r in args.runs)
-    print(plot_curves(runs, args.out))
+    try:
+        print(plot_curves(runs, args.out))
+    except (OSError, ValueError) as err:  # a folder without metrics.jsonl, a corrupt line, an --out that cannot be written
+        print(f"blockgen curves: error: {err}", file=sys.stderr)
+        return 2
     return 0

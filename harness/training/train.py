@@ -11,7 +11,8 @@ kept at `keep_steps` and the check that every rank sees one run directory: `run_
 SIGUSR1 or SIGINT stops the run at the next step boundary on every rank with a checkpoint (`stop_signals`).
 Health: a NaN or infinite loss or gradient norm stops every rank before the step's update (`NonFiniteLoss`),
 a loss far above its running average is flagged and reported (`LossSpikeMonitor`).
-The settings are `train_config.TrainConfig`; a step's FLOPs and memory estimate, `flops_memory`.
+The settings are `train_config.TrainConfig`; the record of every step, `metrics_log`; a step's FLOPs and memory
+estimate, `flops_memory`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import copy
 import functools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +38,7 @@ from blockgen.harness.runtime.precision import enable_tf32  # one home for TF32 
 from blockgen.harness.data.prepare import ensure_prepared, load_prepared
 from blockgen.harness.runtime.progress import Progress
 from blockgen.harness.checkpoints.tokenizer import special_tokens
+from blockgen.harness.training.metrics_log import MetricsLog
 from blockgen.harness.training.flops_memory import memory_estimate, names_the_knob, peak_flops, training_flops_per_step
 from blockgen.harness.training.run_directory import (
     check_same_run_directory, checkpoint_step, hold_run_directory, keep_dir, resume_training_state,
@@ -57,42 +58,6 @@ def all_reduce_sum(x: torch.Tensor, d: Distributed) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
-
-
-class MetricsLog:
-    """Rank 0's record of every step: `metrics.jsonl` (one JSON object per line) and TensorBoard event
-    files beside it in `tensorboard/` (the numeric fields as scalars, `train/...` and `val/...`). A resumed
-    run first drops what a killed run logged after its last checkpoint: the lines (`keep_records_up_to`),
-    and the events, hidden by TensorBoard's purge of the steps after it."""
-
-    def __init__(self, out: Path, step: int, enabled: bool) -> None:
-        self.path, self.board = out / "metrics.jsonl", None
-        if not enabled:
-            return
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where a run writes
-
-        keep_records_up_to(self.path, step)
-        self.board = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1 if step else None)
-
-    def write(self, record: dict) -> None:
-        if self.board is None:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
-                self.board.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
-
-    def losses(self) -> list[float]:
-        """The losses of the records kept (rank 0; none elsewhere): a resumed run's running average starts from them."""
-        if self.board is None or not self.path.is_file():
-            return []
-        with open(self.path) as f:
-            return [json.loads(line)["loss"] for line in f if line.strip()]
-
-    def close(self) -> None:
-        if self.board is not None:
-            self.board.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,18 +196,6 @@ def validate(model: BlockGen, val: Examples, k_mc: int, batch_size: int, d: Dist
 def slot_seed(seed: int, step: int, slot: int) -> int:
     """Seed of the random draws (noise, dropout) of one micro-batch slot of one optimizer step."""
     return (seed * 1_000_003 + step) * 65_537 + slot
-
-
-def keep_records_up_to(log_path: Path, step: int) -> None:
-    """Drop metrics.jsonl records after `step` (logged by a run killed after its last checkpoint)."""
-    if not log_path.is_file():
-        return
-    lines = log_path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    if len(kept) != len(lines):
-        tmp = log_path.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, log_path)
 
 
 def training_net(
