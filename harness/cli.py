@@ -373,10 +373,15 @@ def _gpu_check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from blockgen.harness.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
-                        jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes), difficulty=args.difficulty,
-                        seeds=tuple(args.seeds), language_prompts=args.language_prompts, language_nfes=tuple(args.language_nfes),
-                        train_only=args.train_only))
+    try:  # the settings alone: an error of the run itself keeps its traceback
+        config = DemoConfig(out_dir=args.out_dir, presets=tuple(args.presets), max_steps=args.max_steps, problems=args.problems,
+                            jobs=args.jobs, temperatures=tuple(args.temperatures), nfes=tuple(args.nfes),
+                            difficulty=args.difficulty, seeds=tuple(args.seeds), language_prompts=args.language_prompts,
+                            language_nfes=tuple(args.language_nfes), train_only=args.train_only)
+    except ValueError as err:
+        print(f"blockgen demo: error: {err}", file=sys.stderr)
+        return 2
+    run_demo(config)
     return 0
 
 

@@ -75,6 +75,8 @@ class DemoConfig:
             raise ValueError(f"seeds={self.seeds}: need distinct seeds >= 0")
         if not set(self.language_nfes) <= set(LANGUAGE_NFES):
             raise ValueError(f"language_nfes={self.language_nfes}: choose from {list(LANGUAGE_NFES)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps}: choose a whole number >= 1 (or leave it out: each preset's own)")
         if self.problems < 1 or self.jobs < 0 or self.language_prompts < 1:
             raise ValueError(f"problems={self.problems}, jobs={self.jobs}, language_prompts={self.language_prompts}: "
                              "need problems >= 1, jobs >= 0 and language_prompts >= 1")

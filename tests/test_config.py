@@ -113,3 +113,33 @@ def test_adam_beta2_is_checked_and_set_per_recipe():
         TrainConfig(adam_beta2=1.0)
     assert {name: p.adam_beta2 for name, p in PRESETS.items()} == {
         name: 0.95 if name.startswith(("gsm-", "lang-")) else 0.999 for name in PRESETS}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("save_every", 0, r"save_every=0 \(--save-every\); choose a whole number >= 1"),
+    ("eval_every", 0, r"eval_every=0 \(--eval-every\)"),
+    ("log_every", 0, r"log_every=0 \(--log-every\)"),
+    ("k_mc", 0, r"k_mc=0 \(--k-mc\)"),
+    ("max_steps", 0, r"max_steps=0 \(--max-steps\)"),
+    ("batch_size", 0, r"batch_size=0 \(--batch-size\)"),
+    ("dist_timeout_s", 0, r"dist_timeout_s=0 \(--dist-timeout-s\)"),
+    ("warmup_steps", -1, r"warmup_steps=-1 \(--warmup-steps\); choose 0 \(no warm-up\) or more"),
+    ("grad_clip", 0.0, r"grad_clip=0.0 \(--grad-clip\); choose a norm > 0"),
+    ("ema_decay", 1.5, r"ema_decay=1.5 \(--ema-decay\); choose a decay in \[0, 1\)"),
+])
+def test_settings_a_run_cannot_use_are_refused_before_it_starts(field, value, message):
+    """Each of these crashed mid-run (a step count of 0 divided by zero at the first save or validation; k_mc 0 in the
+    validation pass) or trained nothing (grad_clip 0); now the config refuses it, naming the flag."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{field: value})
+
+
+def test_a_refused_setting_is_one_line_on_the_command_line(tmp_path, capsys):
+    from blockgen.harness.cli import main
+
+    assert main(["train", "--preset", "ci", "--out-dir", str(tmp_path / "run"), "--save-every", "0"]) == 2
+    assert capsys.readouterr().err == "blockgen train: error: save_every=0 (--save-every); choose a whole number >= 1\n"
+    assert main(["demo", "--train-only", "--presets", "ci", "--jobs", "-1", "--out-dir", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockgen demo: error: ") and "jobs >= 0" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists() and not (tmp_path / "demo").exists()

@@ -86,6 +86,19 @@ class TrainConfig:
             raise ValueError(f"adam_beta2={self.adam_beta2}; choose a decay in [0, 1)")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
+        counts = {"max_steps": self.max_steps, "batch_size": self.batch_size, "seq_len": self.seq_len, "k_mc": self.k_mc,
+                  "eval_every": self.eval_every, "save_every": self.save_every, "log_every": self.log_every,
+                  "dist_timeout_s": self.dist_timeout_s}
+        for name, value in counts.items():  # steps between saves, validations, ...: 0 would divide by zero mid-run
+            if value < 1:
+                raise ValueError(f"{name}={value} (--{name.replace('_', '-')}); choose a whole number >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} (--warmup-steps); choose 0 (no warm-up) or more")
+        if not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip} (--grad-clip); choose a norm > 0 (clipping is always on: a large "
+                             f"value such as 1e9 leaves the gradients as they are)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} (--ema-decay); choose a decay in [0, 1)")
         if any(s < 1 for s in self.keep_steps) or len(set(self.keep_steps)) != len(self.keep_steps):
             raise ValueError(f"keep_steps={list(self.keep_steps)}; choose distinct optimizer steps >= 1 (--keep-steps 250000 500000)")
 
