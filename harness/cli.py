@@ -37,6 +37,8 @@ import typing
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, get_args, get_origin
 
+from blockgen.harness.flags import flag
+
 if TYPE_CHECKING:
     from blockgen.harness.training.train_config import TrainConfig
 
@@ -55,7 +57,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, prefix: st
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
-        flag = "--" + prefix + f.name.replace("_", "-")
+        option = flag(prefix + f.name)
         if is_dataclass(tp):
             add_dataclass_options(parser, tp, prefix=f"{prefix}{f.name}.")
             continue
@@ -69,7 +71,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, prefix: st
             kwargs.update(action=argparse.BooleanOptionalAction)
         else:
             kwargs.update(type=tp)
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(option, **kwargs)
 
 
 def from_args(base: Any, given: dict[str, Any]) -> Any:
@@ -321,8 +323,12 @@ def _train_cost(args: argparse.Namespace) -> int:
 def _train_scorer(args: argparse.Namespace) -> int:
     from blockgen.harness.training.train_scorer import ScorerTrainConfig, train_scorer
 
-    given = {k: v for k, v in vars(args).items() if k != "subcommand"}
-    print(f"scorer: {train_scorer(from_args(ScorerTrainConfig(), given))}")
+    try:
+        config = from_args(ScorerTrainConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"})
+    except ValueError as err:
+        print(f"blockgen train-scorer: error: {err}", file=sys.stderr)
+        return 2
+    print(f"scorer: {train_scorer(config)}")
     return 0
 
 
@@ -359,7 +365,12 @@ def _gpu_check(args: argparse.Namespace) -> int:
     from blockgen.harness.gpu_check.config import GpuCheckConfig
     from blockgen.harness.gpu_check.summary import summary_table
 
-    summary = run_gpu_check(from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"}))
+    try:
+        config = from_args(GpuCheckConfig(), {k: v for k, v in vars(args).items() if k != "subcommand"})
+    except ValueError as err:
+        print(f"blockgen gpu-check: error: {err}", file=sys.stderr)
+        return 2
+    summary = run_gpu_check(config)
     print(json.dumps(summary, indent=2))
     print("\n" + summary_table(summary), file=sys.stderr)  # stdout stays one JSON document
     for name in summary["failed"]:  # the verdict and its fix where a human reads it, after the JSON

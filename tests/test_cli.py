@@ -214,3 +214,19 @@ def test_help_speaks_of_what_the_user_controls():
             cli.main([name, "--help"])
         text = out.getvalue()
         assert not any(word in text for word in ("decided_on_rank0", "harness/", "this module")), (name, text[:3000])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train-scorer", "--max-steps", "0"], "blockgen train-scorer: error: max_steps=0 (--max-steps); choose a whole number >= 1"),
+    (["train-scorer", "--seq-len", "2"], "blockgen train-scorer: error: seq_len=2 (--seq-len)"),
+    (["gpu-check", "--budget-s", "0"], "blockgen gpu-check: error: budget_s=0.0"),
+    (["sweep", "ci-gsm8k", "--limit", "0", "--dry-run"], "blockgen sweep: limit=0 (--limit); choose a whole number >= 1"),
+    (["demo", "--train-only", "--presets", "ci", "--max-steps", "0"], "blockgen demo: error: max_steps=0"),
+])
+def test_a_setting_no_run_can_use_is_one_line_before_anything_starts(argv, message, tmp_path, monkeypatch):
+    """Settings the configs refuse (they crashed mid-run, or ran and did nothing): exit 2 with one line naming the
+    flag, and nothing written (the default output folders are relative: this test runs in an empty folder)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(argv)
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from blockgen.harness.flags import require_whole_numbers
 from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source
 from blockgen.harness.evaluation.grids import FULL_FIELD, GRIDS, Grid, ModelSource, grid
 from blockgen.harness.evaluation.pricing import SHARD_FORM, Shard, dry_run, headline_price, priced, split
@@ -106,6 +107,9 @@ class SweepConfig:
     rates: str | None = None  # full-scale grids: the rates file pricing them (None: `rates.rate_source`'s choice)
     field_samplers: bool = False  # add the field's samplers (grids.FULL_FIELD) to a grid that has none
     added_samplers: tuple[SamplerConfig, ...] = ()  # more sampler settings on every diffusion model (`--add-sampler`)
+
+    def __post_init__(self) -> None:
+        require_whole_numbers(self, "limit", "k_mc", "batch_size")
 
     def resolved_grid(self) -> Grid:
         g = grid(self.grid)

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from blockgen.harness.flags import require_whole_numbers
 from blockgen.harness.data.sources import DataConfig
 from blockgen.harness.runtime.distributed import DEFAULT_TIMEOUT_S
 from blockgen.models.backbone import SIZES
@@ -86,12 +87,8 @@ class TrainConfig:
             raise ValueError(f"adam_beta2={self.adam_beta2}; choose a decay in [0, 1)")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch={self.micro_batch}; choose a positive number of sequences per GPU (or None)")
-        counts = {"max_steps": self.max_steps, "batch_size": self.batch_size, "seq_len": self.seq_len, "k_mc": self.k_mc,
-                  "eval_every": self.eval_every, "save_every": self.save_every, "log_every": self.log_every,
-                  "dist_timeout_s": self.dist_timeout_s}
-        for name, value in counts.items():  # steps between saves, validations, ...: 0 would divide by zero mid-run
-            if value < 1:
-                raise ValueError(f"{name}={value} (--{name.replace('_', '-')}); choose a whole number >= 1")
+        require_whole_numbers(self, "max_steps", "batch_size", "seq_len", "k_mc", "eval_every", "save_every", "log_every",
+                              "dist_timeout_s")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} (--warmup-steps); choose 0 (no warm-up) or more")
         if not self.grad_clip > 0:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockgen.harness.flags import require_whole_numbers
 from blockgen.harness.data.sources import DataConfig, chunk_documents, document_split, get_tokenizer
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 
@@ -40,6 +41,11 @@ class ScorerTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        require_whole_numbers(self, "n_layers", "d_model", "n_heads", "batch_size", "max_steps")
+        if self.seq_len < 3:
+            raise ValueError(f"seq_len={self.seq_len} (--seq-len): a chunk needs BOS, at least one token and EOS; choose 3 or more")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} (--warmup-steps); choose 0 (no warm-up) or more")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
