@@ -95,10 +95,16 @@ def training_layout(seq_len: int, block_size: int, device: torch.device | str = 
 
 
 @lru_cache(maxsize=16)
-def training_mask(seq_len: int, block_size: int, causal_clean: bool, device: str) -> torch.Tensor:
-    """SDPA mask of the training layout, cached per block size (the same every step)."""
+def _training_mask(seq_len: int, block_size: int, causal_clean: bool, device: str) -> torch.Tensor:
     layout = training_layout(seq_len, block_size, device)
     return dense_mask(layout, layout, causal_clean)
+
+
+@torch.compiler.assume_constant_result
+def training_mask(seq_len: int, block_size: int, causal_clean: bool, device: str) -> torch.Tensor:
+    """SDPA mask of the training layout, cached per block size (the same every step). A compiled training step
+    takes it as a constant of its graph (one graph per block size): built once, not traced into every step."""
+    return _training_mask(seq_len, block_size, causal_clean, device)
 
 
 @lru_cache(maxsize=16)
