@@ -74,16 +74,20 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 
 # SEEDS=3: every model trained with seeds 0, 1, 2 and the findings judged across the runs.
 SEEDS ?= 1
+check_seeds = @[ "$(SEEDS)" -ge 1 ] 2>/dev/null || { echo "make: SEEDS=$(SEEDS): give the number of training seeds, 1 or more (seeds 0 .. SEEDS-1)" >&2; exit 2; }
 demo: setup
+	$(check_seeds)
 	$(BLOCKGEN) demo --out-dir runs/demo --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
 # Training alone, every demo model with seeds 0 .. SEEDS-1 (default 5; the demo's own seeds are reused): each model's
 # held-out NLL against its median over the seeds.
 demo-seeds: setup
+	$(check_seeds)
 	$(BLOCKGEN) demo --out-dir runs/demo --train-only --seeds $$(seq 0 $$(($(or $(filter-out 1,$(SEEDS)),5) - 1)))
 
 # The demo's models again (trained ones are reused) with the paper's GSM8K temperature beside 0.1.
 sweep: setup
+	$(check_seeds)
 	$(BLOCKGEN) demo --out-dir runs/demo --temperatures 1.0 0.1 --seeds $$(seq 0 $$(($(SEEDS) - 1)))
 
 # Two pytest-xdist workers (one torch thread each), a test module per worker at a time, the slowest modules first;

@@ -313,3 +313,13 @@ def test_borrowed_featurizer_is_shared_only_inside_a_sweep(work):
             pass
         with scorers.borrow_featurizer(ScorerConfig(backend="vllm", model=str(work / "scorer"), url="http://x")) as b:
             assert a is b  # the server's settings do not make another in-process copy
+
+
+@pytest.mark.parametrize("target", ["demo", "demo-seeds", "sweep"])
+@pytest.mark.parametrize("seeds", ["x", "0", ""])
+def test_make_refuses_a_seed_count_that_is_not_one_or_more(target, seeds):
+    """`make demo SEEDS=x` said "argument --seeds: expected at least one argument" (the seq it builds came out empty);
+    now make names SEEDS before anything runs (`-o setup`: the installed environment is not looked at)."""
+    r = subprocess.run(["make", "-s", "-o", "setup", target, f"SEEDS={seeds}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=HANG_S)
+    assert r.returncode == 2 and f"make: SEEDS={seeds}: give the number of training seeds, 1 or more" in r.stderr, r.stderr
