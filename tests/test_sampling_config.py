@@ -139,6 +139,15 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
     assert sampler["steps"] == 8
     assert sampler == default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc", max_gen_toks=16), config).as_dict()
+    # Without --max-new-tokens: lm-eval's budget on this model, min(256, seq_len // 2) = 32 (it was 256, which no model
+    # of seq_len <= 256 holds: the documented `blockgen sample ... --nfe 4` ended in a traceback on the demo's models).
+    unbudgeted = [a for a in base if a not in ("--max-new-tokens", "16")]
+    assert main(unbudgeted + ["--nfe", "4"]) == 0
+    sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
+    assert sampler["max_new_tokens"] == 32 == default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc"), config).max_new_tokens
+    assert main(unbudgeted + ["--max-new-tokens", "64"]) == 2  # no room left for the prompt: one line naming the largest
+    assert capsys.readouterr().err.splitlines()[-1] == ("blockgen sample: error: --max-new-tokens=64 leaves no room for a "
+                                                        "prompt in seq_len=64; choose --max-new-tokens <= 63")
 
 
 def test_temperature_divides_the_logits(masked):

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
-from blockgen.harness.evaluation.lm_eval_model.arguments import check_checkpoint_dir, sampler_config_for
+from blockgen.harness.evaluation.lm_eval_model.arguments import check_budget, check_checkpoint_dir, sampler_config_for
 from blockgen.harness.evaluation.paper_variants import settings_at
 from blockgen.models import samplers
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
@@ -56,7 +56,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{option.name.replace('_', '-')}", type=option.kind, default=None,
                        help=f"{option.help} ({users}; {option.range_text()}, default {option.default})")
     p.add_argument("--block-size", type=int, default=None, help="default: the largest trained block size")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="the generation budget (default: min(256, seq_len // 2), as lm-eval's max_gen_toks on this model)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="sample j uses seed + j")
     p.add_argument("--layout", choices=list(BLOCK_LAYOUTS), default=defaults.layout,
                    help="grid: blocks on the training grid, the prompt's tail inside the first block; "
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                  options=tuple((name, getattr(args, name)) for name in samplers.options()
                                                if getattr(args, name) is not None))
         check_config(model, config)
+        check_budget(model.config, config, "--max-new-tokens")
     except (ValueError, CheckpointError, HubUnavailableError) as err:  # releases' errors are CheckpointErrors
         print(f"blockgen sample: error: {err}", file=sys.stderr)
         return 2

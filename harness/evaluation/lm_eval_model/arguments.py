@@ -186,12 +186,18 @@ def default_sampler(a: BlockGenLMArgs, config: BlockGenConfig) -> SamplerConfig:
 def checked_sampler(config: BlockGenConfig, sampler: SamplerConfig, where: str) -> SamplerConfig:
     try:
         check_config(config, sampler)
+        check_budget(config, sampler)
     except ValueError as err:
         raise ValueError(f"blockgen {where}: {err}") from None
-    if max_prompt_len(config, sampler) < 1:
-        raise ValueError(f"blockgen {where}: max_gen_toks={sampler.max_new_tokens} leaves no room for a prompt "
-                         f"in seq_len={config.seq_len}; choose max_gen_toks <= {largest_budget(config, sampler)}")
     return sampler
+
+
+def check_budget(config: BlockGenConfig, sampler: SamplerConfig, name: str = "max_gen_toks") -> None:
+    """The generation budget (`name`: lm-eval's max_gen_toks, blockgen sample's --max-new-tokens) leaves room for a
+    prompt of one token (BOS) in the model's context."""
+    if max_prompt_len(config, sampler) < 1:
+        raise ValueError(f"{name}={sampler.max_new_tokens} leaves no room for a prompt in seq_len={config.seq_len}; "
+                         f"choose {name} <= {largest_budget(config, sampler)}")
 
 
 def sampler_model_args(sampler: SamplerConfig) -> dict[str, Any]:
