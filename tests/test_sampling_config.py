@@ -139,12 +139,13 @@ def test_cli_samples_a_checkpoint(tmp_path, capsys):
     sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
     assert sampler["steps"] == 8
     assert sampler == default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc", max_gen_toks=16), config).as_dict()
-    # Without --max-new-tokens: lm-eval's budget on this model, min(256, seq_len // 2) = 32 (it was 256, which no model
-    # of seq_len <= 256 holds: the documented `blockgen sample ... --nfe 4` ended in a traceback on the demo's models).
+    # Without --max-new-tokens: what the context holds after the prompt, 64 - (BOS + the prompt's tokens) on the grid
+    # layout (it was 256, which no model of seq_len <= 256 holds: the documented `blockgen sample ... --nfe 4` ended in
+    # a traceback on the demo's models).
     unbudgeted = [a for a in base if a not in ("--max-new-tokens", "16")]
     assert main(unbudgeted + ["--nfe", "4"]) == 0
     sampler = json.loads(by_nfe.read_text().splitlines()[0])["sampler"]
-    assert sampler["max_new_tokens"] == 32 == default_sampler(BlockGenLMArgs(pretrained="ckpt", sampler="arpc"), config).max_new_tokens
+    assert sampler["max_new_tokens"] == 64 - 1 - len(tok.encode("three apples", add_special_tokens=False))
     assert main(unbudgeted + ["--max-new-tokens", "64"]) == 2  # no room left for the prompt: one line naming the largest
     assert capsys.readouterr().err.splitlines()[-1] == ("blockgen sample: error: --max-new-tokens=64 leaves no room for a "
                                                         "prompt in seq_len=64; choose --max-new-tokens <= 63")

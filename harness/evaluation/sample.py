@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,7 +26,8 @@ from tqdm import tqdm
 from blockgen.harness.checkpoints.checkpoint import CheckpointError, checkpoint_special_tokens, load_checkpoint
 from blockgen.harness.runtime.distributed import resolve_device
 from blockgen.harness.checkpoints.hub import HubUnavailableError
-from blockgen.harness.evaluation.lm_eval_model.arguments import check_budget, check_checkpoint_dir, sampler_config_for
+from blockgen.harness.evaluation.lm_eval_model.arguments import (check_budget, check_checkpoint_dir, largest_budget,
+                                                                sampler_config_for)
 from blockgen.harness.evaluation.paper_variants import settings_at
 from blockgen.models import samplers
 from blockgen.models.sampler_config import BLOCK_LAYOUTS, SamplerConfig
@@ -57,7 +59,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                        help=f"{option.help} ({users}; {option.range_text()}, default {option.default})")
     p.add_argument("--block-size", type=int, default=None, help="default: the largest trained block size")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="the generation budget (default: min(256, seq_len // 2), as lm-eval's max_gen_toks on this model)")
+                   help="the generation budget (default: as many tokens as the model's context holds after the longest "
+                        "prompt; a row ends sooner at EOS)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="sample j uses seed + j")
     p.add_argument("--layout", choices=list(BLOCK_LAYOUTS), default=defaults.layout,
                    help="grid: blocks on the training grid, the prompt's tail inside the first block; "
@@ -97,12 +100,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"blockgen sample: error: {err}", file=sys.stderr)
         return 2
     special = checkpoint_special_tokens(model, tokenizer)
+    prompts = [([] if args.no_bos else [special.bos]) + tokenizer.encode(text, add_special_tokens=False)
+               + (list(special.sep) if args.sep else []) for text in texts]
+    if args.max_new_tokens is None:  # fill the context after the longest prompt (EOS ends a row sooner); when a prompt
+        room = largest_budget(model.config, config, max(map(len, prompts)))  # leaves none: lm-eval's budget, prompts cut
+        config = replace(config, max_new_tokens=room or config.max_new_tokens)
 
     limit = max_prompt_len(model, config)
     jobs: list[tuple[int, list[int]]] = []  # (prompt index, token ids)
-    for j, text in enumerate(texts):
-        ids = ([] if args.no_bos else [special.bos]) + tokenizer.encode(text, add_special_tokens=False)
-        ids += list(special.sep) if args.sep else []
+    for j, ids in enumerate(prompts):
         if len(ids) > limit:
             print(f"blockgen sample: warning: prompt {j} has {len(ids)} tokens; keeping the last {limit}", file=sys.stderr)
             ids = ids[len(ids) - limit :]

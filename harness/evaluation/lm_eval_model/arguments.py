@@ -279,10 +279,10 @@ def gen_kwargs_sampler(base: SamplerConfig, config: BlockGenConfig, steps_given:
     return sampler, until
 
 
-def largest_budget(config: BlockGenConfig, sampler: SamplerConfig) -> int:
-    """The most tokens a sampler can add while leaving room for a one-token prompt (BOS)."""
+def largest_budget(config: BlockGenConfig, sampler: SamplerConfig, prompt_len: int = 1) -> int:
+    """The most tokens a sampler can add after a prompt of `prompt_len` tokens (default: BOS alone); 0: none."""
     for n in range(config.seq_len - 1, 0, -1):
-        if max_prompt_len(config, replace(sampler, max_new_tokens=n)) >= 1:
+        if max_prompt_len(config, replace(sampler, max_new_tokens=n)) >= prompt_len:
             return n
     return 0
 
