@@ -37,7 +37,7 @@ import typing
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, get_args, get_origin
 
-from blockgen.harness.flags import flag
+from blockgen.harness.runtime.flags import flag
 
 if TYPE_CHECKING:
     from blockgen.harness.training.train_config import TrainConfig

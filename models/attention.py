@@ -100,11 +100,18 @@ def _training_mask(seq_len: int, block_size: int, causal_clean: bool, device: st
     return dense_mask(layout, layout, causal_clean)
 
 
-@torch.compiler.assume_constant_result
 def training_mask(seq_len: int, block_size: int, causal_clean: bool, device: str) -> torch.Tensor:
     """SDPA mask of the training layout, cached per block size (the same every step). A compiled training step
-    takes it as a constant of its graph (one graph per block size): built once, not traced into every step."""
+    takes it as a constant of its graph (`mark_masks_constant`): built once, not traced into every step."""
     return _training_mask(seq_len, block_size, causal_clean, device)
+
+
+def mark_masks_constant() -> None:
+    """Tell dynamo that `training_mask` is a pure function of its arguments, so each compiled graph holds the mask as
+    a constant (dynamo traced through its cache instead, warning "lru_cache-wrapped function ... silent incorrectness").
+    Called where compilation starts (`train.training_net`), not at import: `torch.compiler` imports dynamo, about 1 s
+    and 800 modules that an eager process never needs."""
+    torch.compiler.assume_constant_result(training_mask)  # marks the function itself
 
 
 @lru_cache(maxsize=16)

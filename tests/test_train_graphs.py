@@ -87,3 +87,19 @@ def test_compiled_training_step_has_no_graph_breaks(process_group, monkeypatch, 
     assert len(split) == (len(sizes) if distributed else 0)
     assert all(torch.equal(a, b) for a, b in zip(losses, want_losses)), (losses, want_losses)
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def test_importing_training_and_evaluation_leaves_dynamo_unimported():
+    """`torch.compiler` imports dynamo: about 1 s and 800 modules in every process that imports it. Marking the mask
+    constant at import (`torch.compiler.assume_constant_result` on `attention.training_mask`) once cost every eager
+    training and evaluation process that second, about 170 s of a CI run; only compiling may import it."""
+    import subprocess
+    import sys
+
+    from limits import HANG_S
+
+    modules = ["blockgen.harness.training.train", "blockgen.harness.evaluation.lm_eval_model.model", "blockgen.harness.demo",
+               "blockgen.harness.evaluation.sweep", "blockgen.harness.gpu_check.check"]
+    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch._dynamo' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], (r.stdout, r.stderr[-2000:])

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from blockgen.harness.flags import require_whole_numbers
+from blockgen.harness.runtime.flags import require_whole_numbers
 from blockgen.harness.costs.rates import RateSource, gpu_check_rates, rate_source
 from blockgen.harness.evaluation.grids import FULL_FIELD, GRIDS, Grid, ModelSource, grid
 from blockgen.harness.evaluation.pricing import SHARD_FORM, Shard, dry_run, headline_price, priced, split

@@ -45,6 +45,7 @@ from blockgen.harness.training.run_directory import (
 )
 from blockgen.harness.training.stop_signals import TrainingStopped, agreed_stop, stop_requests
 from blockgen.harness.training.train_config import TrainConfig
+from blockgen.models.attention import mark_masks_constant
 from blockgen.models.model import BlockGen
 from blockgen.models.objectives import stratified_indices, stratified_times
 
@@ -211,6 +212,8 @@ def training_net(
     no code generation).
     """
     # static shapes: block_size is a Python int, one graph per block size
+    if compile:
+        mark_masks_constant()
     if compile and next(model.parameters()).device.type == "cpu":
         from blockgen.models.backbone import fit_inductor_to_this_cpu
 

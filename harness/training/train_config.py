@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from blockgen.harness.flags import require_whole_numbers
+from blockgen.harness.runtime.flags import require_whole_numbers
 from blockgen.harness.data.sources import DataConfig
 from blockgen.harness.runtime.distributed import DEFAULT_TIMEOUT_S
 from blockgen.models.backbone import SIZES

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockgen.harness.flags import require_whole_numbers
+from blockgen.harness.runtime.flags import require_whole_numbers
 from blockgen.harness.data.sources import DataConfig, chunk_documents, document_split, get_tokenizer
 from blockgen.harness.checkpoints.tokenizer import special_tokens
 

@@ -1,5 +1,5 @@
 """A config field on the command line: its flag (`max_steps` is `--max-steps`, `data.n_val` is `--data.n-val`), and
-the check the configs share for their counts. Imports nothing: the command line uses it before any subcommand."""
+the check the configs share for their counts. Imports nothing: the command line uses it before any subcommand is mounted."""
 
 from __future__ import annotations
 
