@@ -15,11 +15,10 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 
 
-def _complete_lines(path: Path) -> list[str]:
-    """The file's lines that were written whole (each with its newline), blank ones left out."""
-    lines = path.read_text().splitlines(keepends=True)
+def _complete_lines(lines: list[str]) -> list[str]:
+    """The lines (with their ends) that were written whole, blank ones left out."""
     if lines and not lines[-1].endswith("\n"):
-        lines.pop()  # torn: the run stopped while writing it
+        lines = lines[:-1]  # torn: the run stopped while writing it
     return [line for line in lines if line.strip()]
 
 
@@ -39,7 +38,8 @@ def read_records(path: str | Path) -> list[dict]:
     path = given / METRICS_FILE if given.is_dir() else given
     if not path.is_file():
         raise FileNotFoundError(f"{given}: no {METRICS_FILE} (a `blockgen train` output folder has one)")
-    return [_record(line, path, i) for i, line in enumerate(_complete_lines(path), 1)]
+    lines = _complete_lines(path.read_text().splitlines(keepends=True))
+    return [_record(line, path, i) for i, line in enumerate(lines, 1)]
 
 
 def keep_records_up_to(path: Path, step: int) -> None:
@@ -47,7 +47,7 @@ def keep_records_up_to(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for i, line in enumerate(_complete_lines(path), 1) if _record(line, path, i)["step"] <= step]
+    kept = [line for i, line in enumerate(_complete_lines(lines), 1) if _record(line, path, i)["step"] <= step]
     if kept != lines:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(kept))
